@@ -1,0 +1,62 @@
+"""Preallocated decode cache for NSA (raw K/V, compressed K/V).
+
+The raw K/V buffers double as the sliding window (the window branch reads the last w rows of
+them), so appending a token is O(1): one row written, plus one compressed token whenever a
+compression span completes. Nothing is re-concatenated per step.
+
+Buffers are created filled with NaN: a branch that reads a row nobody wrote produces NaN in
+its output, which every suite checks for. Layouts: k [B, T_max, G, d_k], v [B, T_max, G, d_v],
+k_cmp [B, N_max, G, d_k], v_cmp [B, N_max, G, d_v]. All batch rows share one position.
+"""
+from __future__ import annotations
+
+import torch
+
+from nsa_core.config import NSAConfig
+
+
+class DecodeCache:
+    def __init__(self, cfg: NSAConfig, batch: int, max_len: int, device=None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.cfg, self.max_len = cfg, max_len
+        G = cfg.n_kv_heads
+        nan = float("nan")
+        self.k = torch.full((batch, max_len, G, cfg.d_k), nan, device=device, dtype=dtype)
+        self.v = torch.full((batch, max_len, G, cfg.d_v), nan, device=device, dtype=dtype)
+        n_max = max(cfg.n_cmp_total(max_len), 1)
+        self.k_cmp = torch.full((batch, n_max, G, cfg.d_k), nan, device=device, dtype=dtype)
+        self.v_cmp = torch.full((batch, n_max, G, cfg.d_v), nan, device=device, dtype=dtype)
+        self.length = 0
+        self.reads: dict[str, torch.Tensor] = {}   # per branch [B, G], set by each decode step
+
+    @property
+    def n_cmp(self) -> int:
+        return self.cfg.n_cmp_total(self.length)
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise ValueError(f"DecodeCache full: {self.length} + {n} > max_len {self.max_len}")
+
+    def write_prefill(self, k, v, k_cmp, v_cmp) -> None:
+        """Store a whole prefill (cache must be empty). k [B, S, G, d_k] …, k_cmp [B, N, G, d_k] …"""
+        if self.length:
+            raise ValueError("write_prefill needs an empty cache")
+        S = k.shape[1]
+        self._check_room(S)
+        self.k[:, :S], self.v[:, :S] = k, v
+        N = k_cmp.shape[1]
+        self.k_cmp[:, :N], self.v_cmp[:, :N] = k_cmp, v_cmp
+        self.length = S
+
+    def append(self, k, v) -> tuple[int, int] | None:
+        """Write token t = length (k [B, 1, G, d_k], v likewise). Returns the raw span
+        (start, end) of the compressed token that this token completes, or None."""
+        self._check_room(1)
+        t = self.length
+        self.k[:, t:t + 1], self.v[:, t:t + 1] = k, v
+        self.length = t + 1
+        cfg = self.cfg
+        if t + 1 >= cfg.cmp_len and (t + 1 - cfg.cmp_len) % cfg.cmp_stride == 0:
+            start = t + 1 - cfg.cmp_len
+            return start, t + 1
+        return None

@@ -1,0 +1,172 @@
+"""``NSAAttention``: the bundled NSA layer (prefill and decode), routed per branch.
+
+Forward pass (SPEC §3): project q/k/v, compress k/v with φ, score and select blocks from the
+compressed-branch probabilities, run the three branches through the backend the routing policy
+picks (every backend notes what ran in ``routing``), and mix them with the sigmoid gate.
+``only=`` forces the gate one-hot on a branch and runs only that branch's work — the API the
+suites and the decode bench use to isolate a branch.
+
+Shapes: x [B, S, D] -> out [B, S, D]; H = G·h query heads of size d_k, G KV heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nsa_core import routing
+from nsa_core import torch_branches as tb
+from nsa_core.cache import DecodeCache
+from nsa_core.config import NSAConfig
+from nsa_core.routing import BRANCHES, RoutingPolicy
+
+
+class Compressor(nn.Module):
+    """φ: [B, S, G, dd] -> [B, N, G, dd] over spans [i·d, i·d+l) (MLP with intra-block PE, or mean)."""
+
+    def __init__(self, cfg: NSAConfig, dd: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.compress == "mlp":
+            self.pe = nn.Parameter(torch.randn(cfg.cmp_len, dd) * 0.02)
+            self.fc1 = nn.Linear(cfg.cmp_len * dd, dd)
+            self.fc2 = nn.Linear(dd, dd)
+
+    def forward(self, kv: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, S, G, dd = kv.shape
+        N = cfg.n_cmp_total(S)
+        if N == 0:
+            return kv.new_zeros(B, 0, G, dd)
+        spans = kv[:, :(N - 1) * cfg.cmp_stride + cfg.cmp_len].unfold(1, cfg.cmp_len, cfg.cmp_stride)
+        spans = spans.permute(0, 1, 2, 4, 3)                                    # [B, N, G, l, dd]
+        if cfg.compress == "mean":
+            return spans.mean(dim=3)
+        return self.fc2(F.silu(self.fc1((spans + self.pe).reshape(B, N, G, cfg.cmp_len * dd))))
+
+
+class Gate(nn.Module):
+    """g = sigmoid(MLP(x)): [B, S, D] -> [B, S, H, 3] (cmp, sel, win)."""
+
+    def __init__(self, cfg: NSAConfig) -> None:
+        super().__init__()
+        hidden = max(16, cfg.d_model // 4)
+        self.fc1 = nn.Linear(cfg.d_model, hidden)
+        self.fc2 = nn.Linear(hidden, 3 * cfg.n_heads)
+        self.n_heads = cfg.n_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.fc2(F.silu(self.fc1(x)))).view(*x.shape[:-1], self.n_heads, 3)
+
+
+class NSAAttention(nn.Module):
+    def __init__(self, cfg: NSAConfig, policy: RoutingPolicy | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.policy = policy or RoutingPolicy()
+        H, G = cfg.n_heads, cfg.n_kv_heads
+        self.q_proj = nn.Linear(cfg.d_model, H * cfg.d_k, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, G * cfg.d_k, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, G * cfg.d_v, bias=False)
+        self.o_proj = nn.Linear(H * cfg.d_v, cfg.d_model, bias=False)
+        self.cmp_k = Compressor(cfg, cfg.d_k)
+        self.cmp_v = Compressor(cfg, cfg.d_v)
+        self.gate = Gate(cfg)
+
+    # -- pieces --------------------------------------------------------------------------
+    def _qkv(self, x):
+        B, S, _ = x.shape
+        cfg = self.cfg
+        return (self.q_proj(x).view(B, S, cfg.n_heads, cfg.d_k),
+                self.k_proj(x).view(B, S, cfg.n_kv_heads, cfg.d_k),
+                self.v_proj(x).view(B, S, cfg.n_kv_heads, cfg.d_v))
+
+    def _gates(self, x, only: str | None):
+        if only is None:
+            return self.gate(x)
+        if only not in BRANCHES:
+            raise ValueError(f"only must be one of {BRANCHES} or None, got {only!r}")
+        g = torch.zeros(*x.shape[:2], self.cfg.n_heads, 3, device=x.device, dtype=x.dtype)
+        g[..., BRANCHES.index(only)] = 1
+        return g
+
+    def routes(self, seq_len: int, device=None, dtype=None) -> dict[str, routing.Decision]:
+        """The backend each prefill branch will use at this length, and why."""
+        return {br: routing.decide(self.policy, "prefill", br, seq_len, cfg=self.cfg,
+                                   device=device, dtype=dtype) for br in BRANCHES}
+
+    def _mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        o = torch.zeros_like(like)
+        for i, br in enumerate(BRANCHES):
+            if br in parts:
+                o = o + g[..., i:i + 1] * parts[br]
+        B, S = o.shape[:2]
+        return self.o_proj(o.reshape(B, S, -1))
+
+    # -- prefill -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *, only: str | None = None,
+                cache: DecodeCache | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill x [B, S, D] -> [B, S, D]. ``cache`` (empty) is filled for later decode steps.
+        ``idx`` [B, S, G, n] overrides block selection (to feed a kernel fixed indices)."""
+        cfg = self.cfg
+        B, S, _ = x.shape
+        q, k, v = self._qkv(x)
+        k_cmp, v_cmp = self.cmp_k(k), self.cmp_v(v)
+        if cache is not None:
+            cache.write_prefill(k, v, k_cmp, v_cmp)
+        g = self._gates(x, only)
+        want = BRANCHES if only is None else (only,)
+        routes = self.routes(S, x.device, x.dtype)
+        parts = {}
+        if "cmp" in want:
+            parts["cmp"] = self._run("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+        if "sel" in want:
+            if idx is None:
+                idx = tb.select_blocks(q, k_cmp, cfg)
+            parts["sel"] = self._run("sel", routes, q=q, k=k, v=v, idx=idx)
+        if "win" in want:
+            parts["win"] = self._run("win", routes, q=q, k=k, v=v)
+        return self._mix(g, parts, q.new_zeros(B, S, cfg.n_heads, cfg.d_v))
+
+    def _run(self, branch: str, routes, **tensors) -> torch.Tensor:
+        d = routes[branch]
+        if d.backend != "torch":
+            impl, reason = routing.lookup("prefill", branch, d.backend)
+            return impl(cfg=self.cfg, **tensors)
+        fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
+        return fn(cfg=self.cfg, **tensors)
+
+    def fill_cache(self, x: torch.Tensor, cache: DecodeCache) -> None:
+        """Prefill only the cache (raw and compressed K/V) from x [B, S, D], no attention."""
+        _, k, v = self._qkv(x)
+        cache.write_prefill(k, v, self.cmp_k(k), self.cmp_v(v))
+
+    # -- decode --------------------------------------------------------------------------
+    def decode(self, x: torch.Tensor, cache: DecodeCache, *, only: str | None = None) -> torch.Tensor:
+        """One decode step: x [B, 1, D] is token t = cache.length. Appends it to the cache and
+        returns o_t [B, 1, D], exactly row t of a prefill over tokens 0..t.
+        Sets ``cache.reads[branch]`` [B, G]: KV tokens the branch read, from the tensors it used."""
+        cfg = self.cfg
+        q, k, v = self._qkv(x)
+        t = cache.length
+        span = cache.append(k, v)
+        if span is not None:
+            i = (span[0]) // cfg.cmp_stride
+            cache.k_cmp[:, i:i + 1] = self.cmp_k(cache.k[:, span[0]:span[1]])
+            cache.v_cmp[:, i:i + 1] = self.cmp_v(cache.v[:, span[0]:span[1]])
+        g = self._gates(x, only)
+        want = BRANCHES if only is None else (only,)
+        K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
+        parts, reads = {}, {}
+        if "cmp" in want:
+            parts["cmp"], used = tb.cmp_attention(q, Kc, Vc, cfg, start=t, phase="decode", want_used=True)
+            reads["cmp"] = used[:, 0]
+        if "sel" in want:
+            idx = tb.select_blocks(q, Kc, cfg, start=t)
+            parts["sel"], used = tb.sel_attention(q, K, V, idx, cfg, start=t, phase="decode", want_used=True)
+            reads["sel"] = used[:, 0]
+        if "win" in want:
+            parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase="decode", want_used=True)
+            reads["win"] = used[:, 0]
+        cache.reads = reads
+        return self._mix(g, parts, q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))

@@ -1,0 +1,133 @@
+"""Backend routing for the three NSA branches, and the dispatch log that proves what ran.
+
+Two separate things live here:
+
+* ``RoutingPolicy`` — what the profile *asks* for (length thresholds per branch).
+* ``DispatchLog`` — what *actually executed*. Every branch implementation calls ``note()`` as
+  it runs, so a suite can assert "the Triton selection kernel ran" from evidence rather than
+  from a flag (the old harness reported FA-2 parity while a guard silently ran SDPA).
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """Which backend each branch should use, by sequence length (from the profile's ``routing``).
+
+    A threshold of ``None`` means the backend is never used. FA-2 thresholds gate the
+    compressed and window branches; ``sel_triton_min_len`` gates the Triton selection kernel in
+    prefill; ``decode_backend`` picks the decode-step implementation.
+    """
+    sel_triton_min_len: int | None = None
+    fa2_min_len_cmp: int | None = None
+    fa2_min_len_win: int | None = None
+    fa2_backend: str = "auto"          # auto | flash_attn | varlen
+    decode_backend: str = "torch"      # torch | triton
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Registry of non-default implementations, filled by the ``kernels`` package when it imports.
+# key: (phase, branch, backend) -> (implementation, availability check returning a reason or None)
+_IMPLS: dict[tuple[str, str, str], tuple[Callable, Callable[..., str | None]]] = {}
+
+
+def register(phase: str, branch: str, backend: str, impl: Callable,
+             unavailable: Callable[..., str | None] = lambda **_: None) -> None:
+    _IMPLS[(phase, branch, backend)] = (impl, unavailable)
+
+
+def lookup(phase: str, branch: str, backend: str, **query) -> tuple[Callable | None, str | None]:
+    """(implementation, None) if usable for this query, else (None, reason)."""
+    if (phase, branch, backend) not in _IMPLS:
+        return None, f"no {backend} implementation of {phase}/{branch} is registered"
+    impl, unavailable = _IMPLS[(phase, branch, backend)]
+    reason = unavailable(**query)
+    return (None, reason) if reason else (impl, None)
+
+
+@dataclass
+class Decision:
+    phase: str
+    branch: str
+    backend: str
+    reason: str
+
+
+def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
+    """The backend the policy picks for one branch at this length, and why."""
+    wanted, why = "torch", "default"
+    if phase == "prefill" and branch == "sel" and policy.sel_triton_min_len is not None:
+        if seq_len >= policy.sel_triton_min_len:
+            wanted, why = "triton", f"S={seq_len} >= sel_triton_min_len={policy.sel_triton_min_len}"
+        else:
+            why = f"S={seq_len} < sel_triton_min_len={policy.sel_triton_min_len}"
+    if phase == "prefill" and branch in ("cmp", "win"):
+        thr = getattr(policy, f"fa2_min_len_{branch}")
+        if thr is not None and seq_len >= thr:
+            wanted, why = f"fa2:{policy.fa2_backend}", f"S={seq_len} >= fa2_min_len_{branch}={thr}"
+        elif thr is not None:
+            why = f"S={seq_len} < fa2_min_len_{branch}={thr}"
+    if phase == "decode" and policy.decode_backend != "torch":
+        wanted, why = policy.decode_backend, f"decode_backend={policy.decode_backend}"
+    if wanted == "torch":
+        return Decision(phase, branch, "torch", why)
+    impl, reason = lookup(phase, branch, wanted, seq_len=seq_len, **query)
+    if impl is None:
+        return Decision(phase, branch, "torch", f"{why}, but {wanted} unavailable: {reason}")
+    return Decision(phase, branch, wanted, why)
+
+
+@dataclass
+class DispatchLog:
+    """Counts of (phase, branch, backend) executions observed while active."""
+    counts: Counter = field(default_factory=Counter)
+
+    def ran(self, phase: str, branch: str, backend: str) -> int:
+        return self.counts[(phase, branch, backend)]
+
+    def backends(self, phase: str | None = None) -> dict[str, list[str]]:
+        """{branch: sorted backends that ran} (optionally for one phase)."""
+        out: dict[str, set] = {}
+        for (ph, br, be) in self.counts:
+            if phase is None or ph == phase:
+                out.setdefault(br, set()).add(be)
+        return {br: sorted(bes) for br, bes in sorted(out.items())}
+
+    def summary(self) -> list[dict]:
+        return [{"phase": p, "branch": b, "backend": be, "calls": n}
+                for (p, b, be), n in sorted(self.counts.items())]
+
+
+_local = threading.local()
+
+
+def _active() -> list[DispatchLog]:
+    if not hasattr(_local, "logs"):
+        _local.logs = []
+    return _local.logs
+
+
+def note(phase: str, branch: str, backend: str) -> None:
+    """Called by every branch implementation when it actually runs."""
+    for log in _active():
+        log.counts[(phase, branch, backend)] += 1
+
+
+@contextmanager
+def capture() -> Iterator[DispatchLog]:
+    log = DispatchLog()
+    _active().append(log)
+    try:
+        yield log
+    finally:
+        _active().remove(log)

@@ -1,0 +1,155 @@
+"""PyTorch implementation of the three NSA branches and of block selection (default backend).
+
+Each function takes query rows at absolute positions ``start .. start+Sq-1`` and the key/value
+tensors holding (at least) every position those rows may see, so the same code serves prefill
+(start = 0, all rows) and a decode step (start = t, one row, keys = the cache). Work is
+chunked over query rows and touches only the key range a chunk can use, so memory stays
+O(chunk · keys-per-row), never O(S²).
+
+With ``want_used=True`` a function also returns ``used`` [B, Sq, G]: how many KV tokens each
+row actually attended over, counted from the slice / gather-index tensors it used. These are
+the measured read counters of SPEC §3.
+
+Layouts: q [B, Sq, H, d_k]; k/v [B, S, G, d]; k_cmp/v_cmp [B, N, G, d]; idx [B, Sq, G, n].
+"""
+from __future__ import annotations
+
+import torch
+
+from nsa_core import routing
+from nsa_core.config import NSAConfig
+
+CHUNK = 128
+
+
+def _softmax_rows(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim; rows with nothing allowed give zeros, not NaN."""
+    s = s.float().masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.where(allowed.any(-1, keepdim=True), p, torch.zeros_like(p))
+
+
+def _grouped(q: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    B, Sq = q.shape[:2]
+    return q.view(B, Sq, cfg.n_kv_heads, cfg.heads_per_group, q.shape[-1])
+
+
+def cmp_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, t0: int, t1: int):
+    """Compressed-branch probabilities of rows [t0, t1): (p [B, c, G, h, n] fp32, allowed [c, n])."""
+    n = cfg.n_cmp(t1 - 1)
+    pos = torch.arange(t0, t1, device=q.device)
+    allowed = (torch.arange(n, device=q.device) * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
+    s = torch.einsum("bqghd,bkgd->bqghk", _grouped(q, cfg), k_cmp[:, :n]) * cfg.scale
+    return _softmax_rows(s, allowed[None, :, None, None, :]), allowed
+
+
+def cmp_attention(q, k_cmp, v_cmp, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+                  want_used: bool = False):
+    """Compressed branch. Returns o [B, Sq, H, d_v] (and used [B, Sq, G])."""
+    routing.note(phase, "cmp", "torch")
+    B, Sq, H, _ = q.shape
+    out = q.new_zeros(B, Sq, H, cfg.d_v)
+    used = torch.zeros(B, Sq, cfg.n_kv_heads, dtype=torch.int64, device=q.device)
+    for c0 in range(0, Sq, CHUNK):
+        c1 = min(Sq, c0 + CHUNK)
+        n = cfg.n_cmp(start + c1 - 1)
+        if n == 0:
+            continue
+        p, allowed = cmp_probs(q[:, c0:c1], k_cmp, cfg, start + c0, start + c1)
+        o = torch.einsum("bqghk,bkgd->bqghd", p.to(v_cmp.dtype), v_cmp[:, :n])
+        out[:, c0:c1] = o.reshape(B, c1 - c0, H, cfg.d_v)
+        used[:, c0:c1] = allowed.sum(-1)[None, :, None]
+    return (out, used) if want_used else out
+
+
+def topn_blocks(scores: torch.Tensor, pos: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """scores [B, c, G, NB] for rows at positions pos [c] -> idx [B, c, G, n], ascending, -1 padded."""
+    NB = scores.shape[-1]
+    j = torch.arange(NB, device=scores.device)[None, None, None, :]            # [1, 1, 1, NB]
+    cur = (pos // cfg.block_size)[None, :, None, None]                          # [1, c, 1, 1]
+    causal = j <= cur
+    forced = (j == 0) | (j == cur) | (j == cur - 1)
+    key = torch.where(forced, torch.inf, torch.where(causal, scores, -torch.inf))
+    k = min(cfg.n_selected, NB)
+    top = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    top = torch.where(torch.arange(k, device=pos.device) < cur + 1, top, NB)
+    top = torch.nn.functional.pad(top, (0, cfg.n_selected - k), value=NB)
+    top = torch.sort(top, dim=-1).values
+    return torch.where(top == NB, -1, top)
+
+
+def select_blocks(q, k_cmp, cfg: NSAConfig, start: int = 0) -> torch.Tensor:
+    """Block selection for rows at start..start+Sq-1: idx [B, Sq, G, n] (int64, -1 padded)."""
+    B, Sq = q.shape[:2]
+    idx = torch.full((B, Sq, cfg.n_kv_heads, cfg.n_selected), -1, dtype=torch.int64, device=q.device)
+    for c0 in range(0, Sq, CHUNK):
+        c1 = min(Sq, c0 + CHUNK)
+        t0, t1 = start + c0, start + c1
+        NB = cfg.n_blocks(t1)
+        n = cfg.n_cmp(t1 - 1)
+        pos = torch.arange(t0, t1, device=q.device)
+        if n > 0:
+            p, _ = cmp_probs(q[:, c0:c1], k_cmp, cfg, t0, t1)
+            # a compressed span [i·d, i·d+l) feeds blocks ⌊i·d/l'⌋ .. ⌊(i·d+l−1)/l'⌋
+            i = torch.arange(n, device=q.device)
+            first = (i * cfg.cmp_stride) // cfg.block_size
+            last = (i * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size
+            jj = torch.arange(NB, device=q.device)
+            span_to_block = ((jj[None, :] >= first[:, None]) & (jj[None, :] <= last[:, None])).float()
+            scores = p.sum(dim=3) @ span_to_block                               # [B, c, G, NB]
+        else:
+            scores = torch.zeros(B, c1 - c0, cfg.n_kv_heads, NB, device=q.device)
+        idx[:, c0:c1] = topn_blocks(scores, pos, cfg)
+    return idx
+
+
+def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+                  want_used: bool = False):
+    """Selected-block attention by gathering the selected tokens (<= t) of each row."""
+    routing.note(phase, "sel", "torch")
+    B, Sq, H, _ = q.shape
+    G, h, L = cfg.n_kv_heads, cfg.heads_per_group, cfg.block_size
+    out = q.new_empty(B, Sq, H, cfg.d_v)
+    used = torch.zeros(B, Sq, G, dtype=torch.int64, device=q.device)
+    kT, vT = k.transpose(1, 2), v.transpose(1, 2)                                # [B, G, S, d]
+    for c0 in range(0, Sq, CHUNK):
+        c1 = min(Sq, c0 + CHUNK)
+        c = c1 - c0
+        pos = torch.arange(start + c0, start + c1, device=q.device)
+        ic = idx[:, c0:c1]                                                       # [B, c, G, n]
+        tok = ic[..., None] * L + torch.arange(L, device=q.device)              # [B, c, G, n, L]
+        valid = (ic[..., None] >= 0) & (tok <= pos[None, :, None, None, None])
+        tok = torch.where(valid, tok, 0).flatten(-2).transpose(1, 2)             # [B, G, c, K]
+        valid = valid.flatten(-2)                                                # [B, c, G, K]
+        K = tok.shape[-1]
+        flat = tok.reshape(B, G, c * K, 1)
+        kg = torch.gather(kT, 2, flat.expand(-1, -1, -1, cfg.d_k)).view(B, G, c, K, cfg.d_k)
+        vg = torch.gather(vT, 2, flat.expand(-1, -1, -1, cfg.d_v)).view(B, G, c, K, cfg.d_v)
+        s = torch.einsum("bqghd,bgqkd->bqghk", _grouped(q[:, c0:c1], cfg), kg) * cfg.scale
+        p = _softmax_rows(s, valid[:, :, :, None, :])
+        o = torch.einsum("bqghk,bgqkd->bqghd", p.to(vg.dtype), vg)
+        out[:, c0:c1] = o.reshape(B, c, H, cfg.d_v)
+        used[:, c0:c1] = valid.sum(-1)
+    return (out, used) if want_used else out
+
+
+def win_attention(q, k, v, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+                  want_used: bool = False):
+    """Sliding-window attention over positions max(0, t−w+1) .. t of each row."""
+    routing.note(phase, "win", "torch")
+    B, Sq, H, _ = q.shape
+    out = q.new_empty(B, Sq, H, cfg.d_v)
+    used = torch.zeros(B, Sq, cfg.n_kv_heads, dtype=torch.int64, device=q.device)
+    for c0 in range(0, Sq, CHUNK):
+        c1 = min(Sq, c0 + CHUNK)
+        t0, t1 = start + c0, start + c1
+        lo = max(0, t0 - cfg.window + 1)
+        pos = torch.arange(t0, t1, device=q.device)[:, None]
+        kpos = torch.arange(lo, t1, device=q.device)[None, :]
+        allowed = (kpos <= pos) & (kpos > pos - cfg.window)                     # [c, Sk]
+        s = torch.einsum("bqghd,bkgd->bqghk", _grouped(q[:, c0:c1], cfg), k[:, lo:t1]) * cfg.scale
+        p = _softmax_rows(s, allowed[None, :, None, None, :])
+        o = torch.einsum("bqghk,bkgd->bqghd", p.to(v.dtype), v[:, lo:t1])
+        out[:, c0:c1] = o.reshape(B, c1 - c0, H, cfg.d_v)
+        used[:, c0:c1] = allowed.sum(-1)[None, :, None]
+    return (out, used) if want_used else out
