@@ -46,8 +46,21 @@ def register(phase: str, branch: str, backend: str, impl: Callable,
     _IMPLS[(phase, branch, backend)] = (impl, unavailable)
 
 
+def _load_kernels() -> None:
+    """Import the ``kernels`` package once, so its implementations register themselves."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import importlib
+        importlib.import_module("kernels")
+
+
+_loaded = False
+
+
 def lookup(phase: str, branch: str, backend: str, **query) -> tuple[Callable | None, str | None]:
     """(implementation, None) if usable for this query, else (None, reason)."""
+    _load_kernels()
     if (phase, branch, backend) not in _IMPLS:
         return None, f"no {backend} implementation of {phase}/{branch} is registered"
     impl, unavailable = _IMPLS[(phase, branch, backend)]

@@ -1,0 +1,26 @@
+# The two commands of the README. Each sets itself up on a fresh machine: a virtualenv made with
+# --system-site-packages, so a pod's preinstalled torch (and its triton) is reused, never replaced.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.nsa-installed
+ARGS   ?=
+
+.PHONY: oneshot test setup clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@# offline pods (everything already installed): no build isolation; otherwise the normal install
+	@$(PY) -m pip install -q --no-build-isolation -e ".[dev]" 2>/dev/null || $(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+oneshot: $(STAMP)
+	$(VENV)/bin/nsa-validate oneshot $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

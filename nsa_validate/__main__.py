@@ -1,0 +1,3 @@
+from nsa_validate.cli import main
+
+main()

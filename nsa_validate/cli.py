@@ -1,0 +1,243 @@
+"""``nsa-validate``: env, list, suite, oneshot, report.
+
+Machine output (``--json``) goes to stdout; tables and progress go to stderr (rich turns colour
+off when stderr is not a TTY or NO_COLOR is set). Exit codes: 0 pass, 1 a check failed or
+errored, 2 bad usage or input, 3 environment broken, 130 interrupted.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nsa_validate import envcheck, junit, profiles, report, rundir
+from nsa_validate.context import RunContext
+from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from nsa_validate.runner import run_suite
+from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
+from suites import SUITES
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Hardware validation harness for Native Sparse Attention.")
+err = Console(stderr=True)
+STYLE = {"pass": "green", "ok": "green", "fail": "red", "error": "red", "broken": "red",
+         "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
+
+JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
+ProfileOpt = typer.Option(None, "--profile", help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
+OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: artifacts/)")
+StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run")
+
+
+def _styled(s: str) -> str:
+    return f"[{STYLE.get(s, 'white')}]{s}[/]"
+
+
+def show_env(rep: envcheck.EnvReport) -> None:
+    f = rep.facts
+    gpu = f.get("gpu") or {}
+    t = Table(title=f"environment: {_styled(rep.verdict)}", title_justify="left")
+    for c in ("check", "status", "detail", "fix"):
+        t.add_column(c, overflow="fold")
+    t.add_row("versions", "", f"python {f.get('python')} · torch {f.get('torch')} (CUDA {f.get('torch_cuda')}) · "
+              f"triton {f.get('triton')} · flash-attn {(f.get('flash_attn') or {}).get('version', '-')}", "")
+    if gpu:
+        tel = f.get("telemetry") or {}
+        t.add_row("GPU", "", f"{gpu['name']} {gpu['sm']} {gpu['memory_gib']} GiB · driver {tel.get('driver_version', '?')} "
+                  f"(CUDA {f.get('driver_cuda')}) · cuDNN {f.get('cudnn')} · SM {tel.get('clocks.sm', '?')} MHz "
+                  f"{tel.get('temperature.gpu', '?')} C {tel.get('power.draw', '?')} W", "")
+    for x in rep.findings:
+        t.add_row(x.check, _styled(x.status), x.detail, x.fix)
+    err.print(t)
+
+
+@app.command("env")
+def env_cmd(json_out: bool = JsonOpt) -> None:
+    """Check torch / triton / flash-attn / CUDA pairing on this machine."""
+    rep = envcheck.collect()
+    show_env(rep)
+    if json_out:
+        print(json.dumps(rep.to_dict(), indent=2, default=str))
+    raise typer.Exit(EXIT_ENV_BROKEN if rep.verdict == "broken" else EXIT_OK)
+
+
+@app.command("list")
+def list_cmd(json_out: bool = JsonOpt) -> None:
+    """List the suites."""
+    rows = [{"name": s.name, "implemented": s.module is not None, "proves": s.proves} for s in SUITES.values()]
+    t = Table("suite", "status", "what it proves")
+    for r in rows:
+        t.add_row(r["name"], "ready" if r["implemented"] else "[yellow]not implemented[/]", r["proves"])
+    err.print(t)
+    if json_out:
+        print(json.dumps(rows, indent=2))
+
+
+@app.command("suite")
+def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
+              profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt,
+              strict: bool = StrictOpt, json_out: bool = JsonOpt) -> None:
+    """Run the named suites."""
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
+    raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False))
+
+
+@app.command("oneshot")
+def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt, strict: bool = StrictOpt,
+                json_out: bool = JsonOpt,
+                keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken")) -> None:
+    """Environment check, then every suite: one verdict and one run folder."""
+    raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going))
+
+
+@app.command("report")
+def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
+    """Re-render report.md of a run folder from its results.json."""
+    res_path = run_dir / "results.json"
+    if not res_path.is_file():
+        raise UsageError(f"no results.json in '{run_dir}' (not a run folder, or the run never started)")
+    try:
+        res = load_results(res_path)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{res_path}: unreadable results ({e})") from None
+    (run_dir / "report.md").write_text(report.render(res))
+    err.print(f"report: {run_dir / 'report.md'}")
+    if json_out:
+        print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool) -> int:
+    import torch
+
+    prof = profiles.load(profile) if profile else profiles.auto_profile()
+    root = rundir.check_out(out)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if prof.device == "cuda" and gpu else "cpu"
+    git = rundir.git_info()
+    run_dir = rundir.create(root, git)
+    manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
+                "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
+                "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
+                "ended": None, "status": "running"}
+    if prof.device == "cuda" and not gpu:
+        manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
+    write_json(run_dir / "manifest.json", manifest)
+    err.print(f"run folder: {run_dir}")
+    rep = envcheck.collect()
+    write_json(run_dir / "env.json", rep.to_dict())
+    show_env(rep)
+    results: dict[str, SuiteResult] = {}
+    status = "complete"
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if gate_env and rep.verdict == "broken":
+            status = "env-broken"
+            err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
+        else:
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err, transient=False) as bar:
+                for name in names:
+                    task = bar.add_task(f"{name:9s}", total=None)
+                    ctx = RunContext(profile=prof, device=device, strict=strict)
+                    results[name] = run_suite(SUITES[name], ctx, run_dir,
+                                              lambda done, total: bar.update(task, completed=done, total=total))
+                    s = results[name]
+                    bar.update(task, description=f"{name:9s} {s.status}", completed=len(s.cases), total=len(s.cases))
+    except KeyboardInterrupt:
+        status = "interrupted"
+        err.print("[yellow]interrupted[/]: writing what was finished")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for name in names:
+            if name not in results and status != "env-broken":
+                results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
+                                            cases=[CaseRecord("not-run", name, "skip", f"run {status}")])
+        res = _finish(run_dir, manifest, rep, prof, results, strict, status)
+    _show_verdict(res, run_dir)
+    if json_out:
+        print(json.dumps({"run_dir": str(run_dir), "status": status, "verdict": res["verdict"],
+                          "suites": {n: {"status": s["status"], "counts": s["counts"]} for n, s in res["suites"].items()}},
+                         indent=2))
+    if status == "interrupted":
+        return EXIT_INTERRUPTED
+    if status == "env-broken":
+        return EXIT_ENV_BROKEN
+    return EXIT_OK if res["verdict"]["status"] == "pass" else EXIT_FAIL
+
+
+def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
+    from nsa_core import PAPER, routing
+    decisions = {str(S): {br: vars(routing.decide(prof.routing, "prefill", br, S, cfg=PAPER))
+                          for br in routing.BRANCHES} for S in (512, 1024, 4096, 16384, 65536)}
+    executed: dict[str, set] = {}
+    for s in results.values():
+        for c in s.cases:
+            for k, bes in c.backends.items():
+                executed.setdefault(k, set()).update(bes)
+    return {"policy": prof.routing.to_dict(), "decisions": decisions,
+            "executed": {k: sorted(v) for k, v in sorted(executed.items())}}
+
+
+def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, status: str) -> dict:
+    manifest.update(ended=rundir.utc_now(), status=status)
+    res = {"schema_version": SCHEMA_VERSION, "manifest": manifest, "env": rep.to_dict(), "profile": prof.to_dict(),
+           "routing": _routing(prof, results), "suites": {n: s.to_dict() for n, s in results.items()},
+           "verdict": verdict(results, strict)}
+    if status != "complete":
+        res["verdict"]["status"] = "fail"
+        res["verdict"]["blocking"].insert(0, f"run {status}")
+    write_json(run_dir / "routing.json", res["routing"])
+    write_json(run_dir / "results.json", res)
+    junit.write(res, run_dir / "junit.xml")
+    (run_dir / "report.md").write_text(report.render(res))
+    write_json(run_dir / "manifest.json", manifest)
+    return res
+
+
+def _show_verdict(res: dict, run_dir: Path) -> None:
+    t = Table("suite", "status", "pass", "fail", "error", "skip", "time (s)", "note", title="suites", title_justify="left")
+    for n, s in res["suites"].items():
+        c = s["counts"]
+        t.add_row(n, _styled(s["status"]), str(c["pass"]), str(c["fail"]), str(c["error"]), str(c["skip"]),
+                  f"{s['duration_s']:.1f}", s.get("reason", ""))
+    err.print(t)
+    v = res["verdict"]
+    for b in v["blocking"][:20]:
+        err.print(f"  [red]✗[/] {b}")
+    tt = v["totals"]
+    err.print(f"VERDICT: {_styled(v['status'])}{' (strict)' if v['strict'] else ''}: {tt['pass']} passed, "
+              f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}")
+
+
+def main() -> None:
+    try:
+        rc = app(standalone_mode=False)
+    except UsageError as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        # click's (or typer's vendored click's) usage errors and Abort, matched by shape
+        if getattr(e, "exit_code", None) == 2 and hasattr(e, "format_message"):
+            err.print(f"error: {e.format_message()}", highlight=False, markup=False)
+            sys.exit(EXIT_USAGE)
+        if type(e).__name__ == "Abort":
+            err.print("interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+        raise
+    sys.exit(rc or 0)

@@ -1,0 +1,61 @@
+"""What a suite process is told about its run: typed, written to a file, recorded in the run.
+
+The CLI writes a ``RunContext`` to ``<run>/suites/<suite>.context.json`` and starts pytest with
+``--nsa-context`` pointing at it. A plain ``pytest suites/`` builds the default context (the
+auto-selected profile, the current device), so the CLI and pytest run the same tests.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from nsa_validate import profiles
+from nsa_validate.profiles import Profile
+
+
+@dataclass
+class RunContext:
+    profile: Profile
+    device: str                       # "cuda" | "cpu"
+    out_dir: str = ""                 # where a suite may write CSVs and plots ("" = don't)
+    strict: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "RunContext":
+        d = json.loads(Path(path).read_text())
+        prof = d.pop("profile")
+        source = prof.pop("source", "")
+        p = profiles._build(Profile, prof)
+        p.source = source
+        return cls(profile=p, **d)
+
+
+def default() -> RunContext:
+    import torch
+    prof = profiles.auto_profile()
+    device = "cuda" if (prof.device == "cuda" and torch.cuda.is_available()) else "cpu"
+    return RunContext(profile=prof, device=device)
+
+
+_current: RunContext | None = None
+
+
+def current() -> RunContext:
+    global _current
+    if _current is None:
+        _current = default()
+    return _current
+
+
+def set_current(ctx: RunContext) -> None:
+    global _current
+    _current = ctx

@@ -1,0 +1,305 @@
+"""Environment and pairing check (SPEC §5): is torch/triton/flash-attn a working set here?
+
+``collect()`` probes the machine. The decisions are small pure functions of versions,
+metadata and error messages, so tests can feed them fakes (a CPU torch, a nightly's
+``pytorch-triton`` pin, an ``undefined symbol`` import error, an old driver).
+
+Finding statuses: ok | info | n/a | degraded (something optional missing) |
+broken (something required mismatched). Verdict: broken > degraded > ok.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata as md
+import importlib.util
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REQUIRED = ("typer", "rich", "pandas", "pytest", "PyYAML", "matplotlib", "packaging")
+# Fallback only, when torch's metadata carries no pin (source/conda builds): torch major.minor ->
+# triton major.minor it was released with.
+KNOWN_PAIRS = {"2.3": "2.3", "2.4": "3.0", "2.5": "3.1", "2.6": "3.2", "2.7": "3.3", "2.8": "3.4",
+               "2.9": "3.5", "2.11": "3.6"}
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class EnvReport:
+    facts: dict = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        st = {f.status for f in self.findings}
+        return "broken" if "broken" in st else "degraded" if "degraded" in st else "ok"
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "facts": self.facts, "findings": [asdict(f) for f in self.findings]}
+
+
+# -- pure decisions ---------------------------------------------------------------------
+def triton_pin(requires: list[str] | None) -> tuple[str, Requirement] | None:
+    """torch's own pin on triton from its Requires-Dist lines: (dist name, requirement)."""
+    for line in requires or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name.lower() in ("triton", "pytorch-triton"):
+            if req.marker is not None and "extra" in str(req.marker):
+                continue
+            return req.name.lower(), req
+    return None
+
+
+def check_torch_triton(torch_version: str, requires: list[str] | None,
+                       installed: dict[str, str | None], cuda_build: str | None) -> Finding:
+    """Compare the installed triton with the exact pin in torch's distribution metadata."""
+    pin = triton_pin(requires)
+    if pin is None:
+        if cuda_build is None:
+            return Finding("torch↔triton", "n/a",
+                           f"torch {torch_version} is a CPU build: it carries no triton pin (not applicable)")
+        mm = ".".join(torch_version.split("+")[0].split(".")[:2])
+        want = KNOWN_PAIRS.get(mm)
+        have = installed.get("triton") or installed.get("pytorch-triton")
+        if want is None:
+            return Finding("torch↔triton", "degraded",
+                           f"torch {torch_version} metadata has no triton pin and {mm} is not in the known-pairs table",
+                           "install torch from the official wheels, which pin triton")
+        if have and ".".join(have.split(".")[:2]) == want:
+            return Finding("torch↔triton", "ok", f"triton {have} (known pair for torch {mm}; metadata had no pin)")
+        return Finding("torch↔triton", "broken",
+                       f"torch {mm} ships with triton {want}.x (known pairs; metadata had no pin); installed: {have}",
+                       f'pip install "triton=={want}.*"')
+    name, req = pin
+    marker_ok = req.marker is None or req.marker.evaluate()
+    if not marker_ok:
+        return Finding("torch↔triton", "n/a", f"torch pins {req} which does not apply on this platform")
+    have = installed.get(name)
+    if have is None:
+        return Finding("torch↔triton", "broken", f"torch {torch_version} requires {name}{req.specifier} "
+                       f"but {name} is not installed", f'pip install "{name}{req.specifier}"')
+    if req.specifier.contains(have, prereleases=True):
+        return Finding("torch↔triton", "ok", f"{name} {have} matches torch's pin {name}{req.specifier}")
+    return Finding("torch↔triton", "broken", f"torch {torch_version} pins {name}{req.specifier}, installed {have}",
+                   f'pip install "{name}{req.specifier}"')
+
+
+def flash_attn_wheel_tag(cuda: str | None, torch_version: str, cxx11abi: bool, py: tuple[int, int]) -> str:
+    """The part of a flash-attn release wheel's name that must fit this torch:
+    ``+cu12torch2.4cxx11abiFALSE-cp310-cp310-linux_x86_64``."""
+    cu = f"cu{cuda.split('.')[0]}" if cuda else "cpu"
+    tv = ".".join(torch_version.split("+")[0].split(".")[:2])
+    cp = f"cp{py[0]}{py[1]}"
+    return f"+{cu}torch{tv}cxx11abi{'TRUE' if cxx11abi else 'FALSE'}-{cp}-{cp}-linux_x86_64"
+
+
+def diagnose_flash_import(err: str, fa_version: str | None, tag: str) -> Finding:
+    v = fa_version or "?"
+    if "undefined symbol" in err:
+        sym = re.search(r"undefined symbol: (\S+)", err)
+        return Finding("flash-attn", "degraded",
+                       f"flash-attn {v} is installed but its compiled extension does not load "
+                       f"(undefined symbol {sym.group(1) if sym else ''}): it was built against another torch",
+                       f"install the flash-attn wheel built for this stack: flash_attn-{v}{tag}.whl "
+                       f"(or rebuild: pip install flash-attn=={v} --no-build-isolation)")
+    return Finding("flash-attn", "degraded", f"flash-attn {v} is installed but does not import: {err.strip()[:300]}",
+                   "reinstall flash-attn for this torch (pip install flash-attn --no-build-isolation)")
+
+
+def check_cuda_driver(runtime: str | None, driver: int | None) -> Finding:
+    """torch's CUDA runtime vs the newest CUDA the driver supports (cuDriverGetVersion, e.g. 12040)."""
+    if runtime is None:
+        return Finding("CUDA runtime↔driver", "n/a", "torch has no CUDA runtime (CPU build)")
+    if driver is None:
+        return Finding("CUDA runtime↔driver", "info", f"torch built for CUDA {runtime}; no NVIDIA driver found")
+    dmaj, dmin = driver // 1000, (driver % 1000) // 10
+    rmaj, rmin = (int(x) for x in runtime.split(".")[:2])
+    if (rmaj, rmin) <= (dmaj, dmin):
+        return Finding("CUDA runtime↔driver", "ok", f"torch CUDA {runtime} <= driver supports {dmaj}.{dmin}")
+    if rmaj > dmaj:
+        return Finding("CUDA runtime↔driver", "broken",
+                       f"torch built for CUDA {runtime} but the driver supports only up to {dmaj}.{dmin}",
+                       f"upgrade the NVIDIA driver, or install a torch built for cu{dmaj}{dmin} or older")
+    return Finding("CUDA runtime↔driver", "degraded",
+                   f"torch CUDA {runtime} is newer than the driver's {dmaj}.{dmin} (minor-version compatibility only: "
+                   "PTX JIT of newer code can fail)", "upgrade the NVIDIA driver")
+
+
+def check_kernels_shadow(origin: str | None, repo_root: Path = REPO_ROOT) -> Finding:
+    want = (repo_root / "kernels" / "__init__.py").resolve()
+    if origin is None:
+        return Finding("import kernels", "broken", "`import kernels` finds nothing",
+                       "run from the repo root or `pip install -e .` in this repo")
+    if Path(origin).resolve() != want:
+        return Finding("import kernels", "broken",
+                       f"`import kernels` resolves to {origin}, not this repo's {want} "
+                       "(the unrelated PyPI distribution 'kernels' shadows it?)",
+                       "pip uninstall kernels, or run with this repo first on sys.path (pip install -e .)")
+    return Finding("import kernels", "ok", f"resolves to this repo ({want})")
+
+
+# -- probes ------------------------------------------------------------------------------
+def _dist_version(*names: str) -> str | None:
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def driver_cuda_version() -> int | None:
+    for lib in ("libcuda.so.1", "libcuda.so"):
+        try:
+            cuda = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        v = ctypes.c_int()
+        if cuda.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return v.value
+    return None
+
+
+def gpu_telemetry() -> dict:
+    """Driver, clocks, power, temperature from nvidia-smi (empty if unavailable)."""
+    if not shutil.which("nvidia-smi"):
+        return {}
+    fields = ["driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw",
+              "power.limit", "temperature.gpu", "pstate"]
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if not out:
+        return {}
+    return dict(zip(fields, [v.strip() for v in out[0].split(",")]))
+
+
+def _flash_attn_version() -> str | None:
+    v = _dist_version("flash_attn", "flash-attn")
+    if v:
+        return v
+    spec = importlib.util.find_spec("flash_attn")
+    if spec and spec.origin:
+        m = re.search(r'__version__\s*=\s*["\']([^"\']+)', Path(spec.origin).read_text())
+        return m.group(1) if m else None
+    return None
+
+
+def check_flash_attn(torch, tag: str) -> tuple[Finding, dict]:
+    facts: dict = {"installed": False}
+    if importlib.util.find_spec("flash_attn") is None:
+        if torch.version.cuda is None:
+            return Finding("flash-attn", "degraded", "flash-attn is not installed (optional; it needs a CUDA GPU "
+                           "and a CUDA build of torch)", "on a GPU machine: pip install flash-attn --no-build-isolation"), facts
+        return Finding("flash-attn", "degraded", "flash-attn is not installed (optional: the fa2 suite's "
+                       "flash_attn backend will be skipped)",
+                       f"pip install flash-attn --no-build-isolation (a prebuilt wheel for this stack ends in {tag}.whl)"), facts
+    version = _flash_attn_version()
+    facts.update(installed=True, version=version)
+    try:
+        import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_varlen_func
+    except (ImportError, OSError) as e:
+        facts["import_error"] = str(e)[:500]
+        return diagnose_flash_import(str(e), version, tag), facts
+    if not torch.cuda.is_available():
+        return Finding("flash-attn", "info", f"flash-attn {version} imports; no GPU to run it on"), facts
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return Finding("flash-attn", "degraded", f"flash-attn {version} needs sm80+, this GPU is sm{cap[0]}{cap[1]}",
+                       "use the SDPA / torch backends on this GPU"), facts
+    try:
+        q = torch.randn(5, 2, 64, device="cuda", dtype=torch.float16)
+        cu = torch.tensor([0, 2, 5], device="cuda", dtype=torch.int32)
+        out = flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, causal=True)
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError("non-finite output")
+    except Exception as e:  # noqa: BLE001 - any failure of the tiny call is the finding
+        facts["call_error"] = str(e)[:500]
+        return Finding("flash-attn", "degraded", f"flash-attn {version} imports but a tiny varlen call fails on "
+                       f"this GPU: {str(e).strip()[:200]} (wheel built without sm{cap[0]}{cap[1]}?)",
+                       f"install a flash-attn build that includes sm{cap[0]}{cap[1]}"), facts
+    facts["tiny_call"] = "ok"
+    return Finding("flash-attn", "ok", f"flash-attn {version}: extension loads, tiny varlen call ran on sm{cap[0]}{cap[1]}"), facts
+
+
+def collect() -> EnvReport:
+    rep = EnvReport()
+    f = rep.facts
+    f["python"] = platform.python_version()
+    f["platform"] = f"{platform.system()} {platform.machine()}"
+    f["host"] = platform.node()
+    missing = [n for n in REQUIRED if _dist_version(n) is None]
+    f["packages"] = {n: _dist_version(n) for n in REQUIRED}
+    if missing:
+        rep.findings.append(Finding("harness dependencies", "broken", f"missing: {', '.join(missing)}",
+                                    "pip install -e .  (or make oneshot, which sets up a virtualenv)"))
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        rep.findings.append(Finding("torch", "broken", f"torch does not import: {e}", "pip install torch"))
+        return rep
+    f["torch"] = torch.__version__
+    f["torch_cuda"] = torch.version.cuda
+    f["cxx11abi"] = bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    installed = {"triton": _dist_version("triton"), "pytorch-triton": _dist_version("pytorch-triton")}
+    f["triton"] = installed["triton"] or installed["pytorch-triton"]
+    try:
+        requires = md.distribution("torch").requires
+    except md.PackageNotFoundError:
+        requires = None
+    rep.findings.append(check_torch_triton(torch.__version__, requires, installed, torch.version.cuda))
+    if platform.system() == "Linux":
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            rep.findings.append(Finding("triton", "broken", f"triton does not import: {e}", "pip install triton"))
+    gpu = torch.cuda.is_available()
+    f["cuda_available"] = gpu
+    if gpu:
+        p = torch.cuda.get_device_properties(0)
+        f["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "sm": f"sm{p.major}{p.minor}",
+                    "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count,
+                    "count": torch.cuda.device_count()}
+        f["cudnn"] = torch.backends.cudnn.version()
+        f["telemetry"] = gpu_telemetry()
+    else:
+        rep.findings.append(Finding("GPU", "info", "no CUDA GPU visible: GPU-only suites will skip with a reason"))
+    drv = driver_cuda_version()
+    f["driver_cuda"] = f"{drv // 1000}.{(drv % 1000) // 10}" if drv else None
+    rep.findings.append(check_cuda_driver(torch.version.cuda, drv))
+    tag = flash_attn_wheel_tag(torch.version.cuda, torch.__version__, f["cxx11abi"], sys.version_info[:2])
+    fa, fa_facts = check_flash_attn(torch, tag)
+    f["flash_attn"] = fa_facts
+    rep.findings.append(fa)
+    f["varlen_attn"] = _has_module("torch.nn.attention.varlen")
+    spec = importlib.util.find_spec("kernels")
+    rep.findings.append(check_kernels_shadow(spec.origin if spec else None))
+    return rep
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False

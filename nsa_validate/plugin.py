@@ -1,0 +1,126 @@
+"""pytest plugin behind every suite: the run context, the ``record`` fixture, case records.
+
+Loaded by ``suites/conftest.py``. Each finished case is appended as one JSON line to the file
+given by ``--nsa-records`` as soon as it finishes, so a suite process that dies half-way still
+leaves the records of the cases it finished (the runner turns the death into an ``error``).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from nsa_core.routing import DispatchLog
+from nsa_validate import context, tolerance
+from nsa_validate.context import RunContext
+
+
+class Recorder:
+    """Per-case metrics, and the evidence of which backend executed."""
+
+    def __init__(self) -> None:
+        self.metrics: dict = {}
+        self.backends: dict = {}
+        self._failures: list[str] = []
+
+    def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
+        """Record what ran; fail the case if ``backend`` did not execute ``phase/branch``."""
+        for br, bes in log.backends(phase).items():
+            self.backends.setdefault(f"{phase}/{br}", sorted(set(self.backends.get(f"{phase}/{br}", [])) | set(bes)))
+        assert log.ran(phase, branch, backend) > 0, (
+            f"path under test did not run: {phase}/{branch} on {backend}; ran: {log.backends(phase) or 'nothing'}")
+
+    def check(self, name: str, out, ref32, ref_lp, *, dtype, factor: float = 2.0) -> dict:
+        """Compare with the fp32 oracle (tolerance rule); failures are raised by ``assert_ok``."""
+        m = tolerance.compare(out, ref32, ref_lp, dtype=dtype, factor=factor)
+        self.metrics[name] = {k: v for k, v in m.items() if k != "factor"}
+        if not m["ok"]:
+            self._failures.append(f"{name}: {tolerance.explain(m)}")
+        return m
+
+    def assert_ok(self) -> None:
+        assert not self._failures, "; ".join(self._failures)
+
+
+_RECORDERS: dict[str, Recorder] = {}
+_STATE: dict[str, dict] = {}
+
+
+def pytest_addoption(parser) -> None:
+    g = parser.getgroup("nsa-validate")
+    g.addoption("--nsa-context", default=None, help="RunContext JSON written by nsa-validate")
+    g.addoption("--nsa-records", default=None, help="append case records (JSON lines) here")
+
+
+def pytest_configure(config) -> None:
+    path = config.getoption("--nsa-context")
+    if path:
+        context.set_current(RunContext.load(path))
+
+
+@pytest.fixture(scope="session")
+def ctx() -> RunContext:
+    return context.current()
+
+
+@pytest.fixture
+def record(request) -> Recorder:
+    r = Recorder()
+    _RECORDERS[request.node.nodeid] = r
+    return r
+
+
+def _emit(config, line: dict) -> None:
+    path = config.getoption("--nsa-records")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    _emit(session.config, {"collected": len(session.items)})
+
+
+def _reason(report) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    text = report.longreprtext or ""
+    lines = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    return (" ".join(lines) if lines else (text.strip().splitlines() or [""])[-1])[:1000]
+
+
+def pytest_runtest_logreport(report) -> None:
+    st = _STATE.setdefault(report.nodeid, {"status": "pass", "reason": "", "t0": time.time()})
+    if report.when == "setup" and not report.passed:
+        st["status"] = "skip" if report.skipped else "error"
+        st["reason"] = _reason(report)
+    elif report.when == "call":
+        st["duration"] = report.duration
+        if report.failed:
+            st["status"], st["reason"] = "fail", _reason(report)
+        elif report.skipped:
+            st["status"], st["reason"] = "skip", _reason(report)
+    elif report.when == "teardown" and report.failed and st["status"] == "pass":
+        st["status"], st["reason"] = "error", _reason(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    st = _STATE.pop(nodeid, None)
+    if st is None:
+        return
+    rec = _RECORDERS.pop(nodeid, Recorder())
+    name = nodeid.split("::")[-1].removeprefix("test_")
+    suite = nodeid.split("::")[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
+    _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
+                       "metrics": rec.metrics, "backends": rec.backends,
+                       "duration_s": round(st.get("duration", 0.0), 4)})
+
+
+_CONFIG: list = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session) -> None:
+    _CONFIG[:] = [session.config]

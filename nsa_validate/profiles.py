@@ -1,0 +1,181 @@
+"""Per-GPU-family profiles (``profiles/*.yaml``): routing thresholds, suite sizes, expectations.
+
+A profile is parsed into typed dataclasses; an unknown field, a wrong type or a missing file is
+a ``UsageError`` that names the field. ``auto_profile`` picks the file for the GPU's compute
+capability (``sm90`` for 9.0, the nearest lower family otherwise, ``cpu`` without a GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from nsa_core.routing import RoutingPolicy
+from nsa_validate.errors import UsageError
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@dataclass
+class SanityCfg:
+    batch: int = 2
+    seq_len: int = 100
+    decode_from: int = 60          # prefill length before the decode steps
+    dtypes: list[str] = field(default_factory=lambda: ["fp32"])
+
+
+@dataclass
+class CountersCfg:
+    decode_steps: int = 40         # steps measured after each prefill length
+    paper_contexts: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536])
+
+
+@dataclass
+class TritonCfg:
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "fp16"])
+    heads_per_group: list[int] = field(default_factory=lambda: [1, 2, 16])
+    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])   # [d_k, d_v]
+    seq_lens: list[int] = field(default_factory=lambda: [77])
+    bench_seq_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Fa2Cfg:
+    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp16"])
+    bench_seq_lens: list[int] = field(default_factory=list)
+    margin: float = 1.2
+
+
+@dataclass
+class DecodeCfg:
+    contexts: list[int] = field(default_factory=lambda: [256, 512])
+    batches: list[int] = field(default_factory=lambda: [1])
+    dtype: str = "fp32"
+    paper_config: bool = False     # G=4, h=16, d_k=192, d_v=128 (else the tiny config)
+
+
+@dataclass
+class SuitesCfg:
+    timeout_s: dict[str, int] = field(default_factory=dict)
+    sanity: SanityCfg = field(default_factory=SanityCfg)
+    counters: CountersCfg = field(default_factory=CountersCfg)
+    triton: TritonCfg = field(default_factory=TritonCfg)
+    fa2: Fa2Cfg = field(default_factory=Fa2Cfg)
+    decode: DecodeCfg = field(default_factory=DecodeCfg)
+
+
+@dataclass
+class ExpectCfg:
+    peak_bandwidth_gbs: float | None = None      # spec-sheet HBM bandwidth
+    decode_roofline_min: float | None = None     # fraction of measured copy bandwidth
+    decode_speedup_min: float | None = None      # vs dense at the longest context
+
+
+@dataclass
+class Profile:
+    name: str
+    description: str = ""
+    device: str = "cuda"                         # cuda | cpu
+    capability: list[int] | None = None          # [major, minor] this family starts at
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    suites: SuitesCfg = field(default_factory=SuitesCfg)
+    expect: ExpectCfg = field(default_factory=ExpectCfg)
+    source: str = ""                             # the file it was read from (set on load)
+
+    def timeout(self, suite: str, default: int = 1800) -> int:
+        return int(self.suites.timeout_s.get(suite, default))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _convert(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UsageError(f"field '{where}' must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise UsageError(f"field '{where}' must be a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(inner, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UsageError(f"field '{where}' must be a mapping, got {type(value).__name__}")
+        _, inner = typing.get_args(tp)
+        return {str(k): _convert(inner, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise UsageError(f"field '{where}' must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise UsageError(f"unknown field '{prefix + '.' if prefix else ''}{key}'")
+    kwargs = {k: _convert(hints[k], v, f"{prefix + '.' if prefix else ''}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:   # a required field is missing
+        raise UsageError(f"{prefix or cls.__name__}: {e}") from None
+
+
+def load(name_or_path: str) -> Profile:
+    """A profile by name (``sm90``) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml") if "." not in p.stem))
+        raise UsageError(f"profile '{name_or_path}' not found (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"profile {path.name}: malformed YAML{where}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"profile {path.name}: expected a mapping at top level")
+    try:
+        prof = _build(Profile, data)
+    except UsageError as e:
+        raise UsageError(f"profile {path.name}: {e}") from None
+    if prof.device not in ("cuda", "cpu"):
+        raise UsageError(f"profile {path.name}: field 'device' must be 'cuda' or 'cpu', got {prof.device!r}")
+    prof.source = str(path)
+    return prof
+
+
+def auto_name(capability: tuple[int, int] | None) -> str:
+    """The shipped profile for a compute capability: exact smXY, else the nearest lower family."""
+    if capability is None:
+        return "cpu"
+    families = []
+    for p in PROFILE_DIR.glob("sm*.yaml"):
+        if "." in p.stem:
+            continue
+        digits = p.stem[2:]
+        families.append(((int(digits[:-1]), int(digits[-1])), p.stem))
+    below = [f for f in sorted(families) if f[0] <= tuple(capability)]
+    return below[-1][1] if below else sorted(families)[0][1]
+
+
+def auto_profile() -> Profile:
+    import torch
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return load(auto_name(cap))

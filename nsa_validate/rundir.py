@@ -1,0 +1,67 @@
+"""Run folders: ``<out>/<short-sha>[-dirty]/<UTC-timestamp>-<host>/``, never overwritten."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from nsa_validate.errors import UsageError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "artifacts"
+
+
+def git_info(root: Path = REPO_ROOT) -> dict:
+    def git(*args):
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        return r.stdout.strip() if r.returncode == 0 else None
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain")) if sha else False
+    except (OSError, subprocess.TimeoutExpired):
+        sha, dirty = None, False
+    return {"commit": sha, "short": sha[:7] if sha else "nogit", "dirty": dirty}
+
+
+def check_out(out: str | None) -> Path:
+    """Validate ``--out``: no '..' components, a directory we can create and write in."""
+    if out is None:
+        root = DEFAULT_OUT
+    else:
+        if ".." in Path(out).parts:
+            raise UsageError(f"--out '{out}' contains '..' (path traversal is refused)")
+        root = Path(out).expanduser()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--out '{root}' exists and is not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out '{root}' is not writable ({e.strerror or e})") from None
+    return root
+
+
+def create(root: Path, git: dict) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+    parent = root / (git["short"] + ("-dirty" if git["dirty"] else ""))
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        d = parent / (f"{stamp}-{host}" + (f"-{n}" if n > 1 else ""))
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        for sub in ("suites", "logs", "junit"):
+            (d / sub).mkdir()
+        return d
+    raise UsageError(f"could not create a fresh run folder under {parent}")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

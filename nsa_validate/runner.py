@@ -1,0 +1,102 @@
+"""Suite runner: each suite in its own pytest process with a timeout, records collected.
+
+A CUDA fault, an OOM or a hang kills only that suite's process; the cases it finished are kept
+(the plugin appends them as they finish) and the suite is marked ``error`` with the cause.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from nsa_validate.context import RunContext
+from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
+from suites import Suite, path_of
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def suite_env(ctx: RunContext) -> dict:
+    """Environment of a suite process: this repo first on the path; on CPU the Triton interpreter."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if ctx.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def _read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
+    collected, cases = None, []
+    if not path.exists():
+        return None, []
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue   # a line cut short by a dying process
+        if "collected" in d:
+            collected = d["collected"]
+        else:
+            cases.append(CaseRecord(**d))
+    return collected, cases
+
+
+def not_implemented(suite: Suite) -> SuiteResult:
+    return SuiteResult(suite.name, "skip", reason="not implemented",
+                       cases=[CaseRecord("not-implemented", suite.name, "skip", "not implemented")])
+
+
+def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
+              on_progress: Callable[[int, int | None], None] = lambda done, total: None) -> SuiteResult:
+    if suite.module is None:
+        return not_implemented(suite)
+    ctx_path = run_dir / "suites" / f"{suite.name}.context.json"
+    rec_path = run_dir / "suites" / f"{suite.name}.records.jsonl"
+    log_path = run_dir / "logs" / f"{suite.name}.log"
+    ctx.out_dir = str(run_dir / "suites" / suite.name)
+    Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
+    ctx.save(ctx_path)
+    cmd = [sys.executable, "-m", "pytest", str(path_of(suite)), "-q", "-rfEs", "-p", "no:cacheprovider",
+           "--rootdir", str(REPO_ROOT), "--nsa-context", str(ctx_path), "--nsa-records", str(rec_path),
+           "--junitxml", str(run_dir / "junit" / f"{suite.name}.xml")]
+    timeout = ctx.profile.timeout(suite.name)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        problem = ""
+        try:
+            while proc.poll() is None:
+                time.sleep(0.3)
+                total, done = _read_records(rec_path)
+                on_progress(len(done), total)
+                if time.monotonic() - t0 > timeout:
+                    problem = f"timed out after {timeout}s"
+                    break
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    rc = proc.returncode
+    total, cases = _read_records(rec_path)
+    if not problem:
+        if rc is not None and rc < 0:
+            problem = f"process killed by signal {signal.Signals(-rc).name}"
+        elif rc not in (0, 1, 5):   # pytest: 0 ok, 1 failures, 5 nothing collected
+            problem = f"pytest exited with code {rc} (collection or internal error)"
+        elif total is not None and len(cases) < total:
+            problem = f"process ended after {len(cases)} of {total} cases"
+    if problem:
+        cases.append(CaseRecord("suite-process", suite.name, "error", f"{problem}; see logs/{suite.name}.log"))
+    extra_path = Path(ctx.out_dir) / "extra.json"
+    extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
+    return SuiteResult(suite.name, suite_status(cases, problem), round(time.monotonic() - t0, 2), cases,
+                       reason=problem, log=f"logs/{suite.name}.log", returncode=rc, extra=extra)

@@ -1,0 +1,109 @@
+"""The one results schema (``results.json``), used by the runner, report, JUnit, compare.
+
+A case record:  {id, suite, status: pass|fail|skip|error, reason, metrics{}, backends{}, duration_s}
+A suite result: {name, status, duration_s, counts{}, cases[], log, returncode, reason}
+A run:          {schema_version, manifest{}, env{}, profile{}, routing{}, suites{name: suite}, verdict{}}
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+STATUSES = ("pass", "fail", "skip", "error")
+
+
+@dataclass
+class CaseRecord:
+    id: str
+    suite: str
+    status: str
+    reason: str = ""
+    metrics: dict = field(default_factory=dict)
+    backends: dict = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"bad status {self.status!r}")
+
+
+@dataclass
+class SuiteResult:
+    name: str
+    status: str
+    duration_s: float = 0.0
+    cases: list[CaseRecord] = field(default_factory=list)
+    reason: str = ""
+    log: str = ""
+    returncode: int | None = None
+    extra: dict = field(default_factory=dict)        # suite-level tables (bench rows, summaries)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: sum(c.status == s for c in self.cases) for s in STATUSES}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["counts"] = self.counts
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SuiteResult":
+        d = {k: v for k, v in d.items() if k != "counts"}
+        d["cases"] = [CaseRecord(**c) for c in d.get("cases", [])]
+        return cls(**d)
+
+
+def suite_status(cases: list[CaseRecord], process_error: str = "") -> str:
+    if process_error or any(c.status == "error" for c in cases):
+        return "error"
+    if any(c.status == "fail" for c in cases):
+        return "fail"
+    if not cases or all(c.status == "skip" for c in cases):
+        return "skip"
+    return "pass"
+
+
+def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[str, str] | None = None) -> dict:
+    """Overall verdict from data. ``allowed_skips``: case id or suite name -> reason (strict mode)."""
+    allowed_skips = allowed_skips or {}
+    totals = {s: 0 for s in STATUSES}
+    blocking = []
+    for name, s in suites.items():
+        for c in s.cases:
+            totals[c.status] += 1
+            if c.status in ("fail", "error"):
+                blocking.append(f"{name}/{c.id}: {c.status}")
+            elif c.status == "skip" and strict and c.id not in allowed_skips and name not in allowed_skips:
+                blocking.append(f"{name}/{c.id}: skipped in --strict ({c.reason})")
+        if s.status == "error" and not any(c.status == "error" for c in s.cases):
+            blocking.append(f"{name}: error ({s.reason})")
+    status = "pass" if not blocking else "fail"
+    return {"status": status, "strict": strict, "totals": totals, "blocking": blocking}
+
+
+def _clean(o):
+    """JSON-safe: NaN/Inf become strings so the file stays valid JSON."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_json(path: Path, data) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2, sort_keys=False, default=str))
+    tmp.replace(path)
+
+
+def load_results(path: Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"results schema version {data.get('schema_version')} != {SCHEMA_VERSION}")
+    return data

@@ -1,0 +1,33 @@
+"""The validation suites the CLI drives (each a pytest module run in its own process).
+
+A suite whose ``module`` is None is listed and reported as skipped "not implemented" — never
+silently missing from a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    module: str | None          # file under suites/, None until built
+    proves: str
+
+
+SUITES = {s.name: s for s in [
+    Suite("sanity", "test_sanity.py",
+          "tiny prefill + decode end to end; each branch (gate forced one-hot) vs the oracle; finite outputs"),
+    Suite("triton", None, "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism"),
+    Suite("fa2", None, "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
+    Suite("decode", None, "decode step time (CUDA graphs), per branch, dense baseline, roofline"),
+    Suite("counters", "test_counters.py",
+          "decode read counters measured from the gathered indices == formula at every step; paper Table 4"),
+]}
+
+
+def path_of(suite: Suite) -> Path | None:
+    return HERE / suite.module if suite.module else None

@@ -1,0 +1,80 @@
+"""counters: decode read counters measured from what the decode step gathered == SPEC §3 formula.
+
+The decode step reports, per branch and KV head, how many KV tokens it attended over, counted
+from the slice and gather-index tensors it actually used (``cache.reads``). Here those measured
+counts are compared with the formula at every step, from prefill lengths that straddle every
+boundary (t < l, t < w, t+1 not a multiple of l', more causal blocks than n), and the paper's
+Table 4 is reproduced (tokens per step at 8k … 64k, ±1 for the paper's rounding).
+"""
+import pytest
+import torch
+
+from nsa_core import BRANCHES, PAPER, DecodeCache, NSAAttention, routing, tiny
+from nsa_validate.context import current
+
+CTX = current()
+CFG = CTX.profile.suites.counters
+DEV = CTX.device
+PAPER_SMALL = PAPER.__class__(**{**PAPER.to_dict(), "d_model": 64})  # paper heads/blocks, small model dim
+TABLE4 = {8192: 2048, 16384: 2560, 32768: 3584, 65536: 5632}
+
+
+def _prefill_lengths(cfg):
+    L = cfg.block_size
+    lens = [0, 1, cfg.cmp_len - 1, cfg.cmp_len, cfg.window - 1, cfg.window, 3 * L + 5,
+            cfg.n_selected * L + 5]
+    return sorted(set(lens))
+
+
+CASES = [pytest.param(name, cfg, P, id=f"{name}-prefill{P}")
+         for name, cfg in (("tiny", tiny()), ("paper", PAPER_SMALL)) for P in _prefill_lengths(cfg)]
+
+
+@pytest.mark.parametrize("name,cfg,P", CASES)
+def test_reads_equal_formula_every_step(name, cfg, P, record):
+    torch.manual_seed(P)
+    m = NSAAttention(cfg, CTX.profile.routing).to(DEV)
+    steps = CFG.decode_steps
+    x = torch.randn(2, P + steps, cfg.d_model, device=DEV)
+    cache = DecodeCache(cfg, 2, P + steps, device=DEV)
+    mismatches, checked = [], 0
+    with torch.no_grad(), routing.capture() as log:
+        if P:   # the counters concern decode only: fill the cache without prefill attention
+            m.fill_cache(x[:, :P], cache)
+        for t in range(P, P + steps):
+            out = m.decode(x[:, t:t + 1], cache)
+            assert torch.isfinite(out).all(), f"non-finite decode output at t={t}"
+            want = cfg.expected_reads(t)
+            for br in BRANCHES:
+                got = cache.reads[br]
+                checked += got.numel()
+                if not bool((got == want[br]).all()):
+                    mismatches.append(f"t={t} {br}: measured {got.unique().tolist()} != formula {want[br]}")
+    record.expect_ran(log, "decode", "sel", m.policy.decode_backend)
+    record.metrics.update(steps=steps, checked=checked, first_t=P, last_t=P + steps - 1,
+                          reads_last=cfg.expected_reads(P + steps - 1))
+    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
+
+
+@pytest.mark.parametrize("S", CFG.paper_contexts)
+def test_paper_table4(S, record):
+    """One decode step at t = S−1 after filling the cache with S−1 tokens (paper config)."""
+    if S not in TABLE4:
+        pytest.skip(f"paper Table 4 has no entry for S={S}")
+    cfg = PAPER_SMALL
+    torch.manual_seed(0)
+    m = NSAAttention(cfg, CTX.profile.routing).to(DEV)
+    x = torch.randn(1, S, cfg.d_model, device=DEV)
+    cache = DecodeCache(cfg, 1, S, device=DEV)
+    with torch.no_grad():
+        m.fill_cache(x[:, :S - 1], cache)
+        out = m.decode(x[:, S - 1:S], cache)
+    assert torch.isfinite(out).all()
+    measured = {br: cache.reads[br].unique().tolist() for br in BRANCHES}
+    assert all(len(v) == 1 for v in measured.values()), f"reads differ across KV heads: {measured}"
+    measured = {br: v[0] for br, v in measured.items()}
+    total = sum(measured.values())
+    record.metrics.update(S=S, measured=measured, total=total, formula=cfg.expected_reads(S - 1),
+                          paper=TABLE4[S], dense=S, expected_speedup=round(S / TABLE4[S], 2))
+    assert measured == cfg.expected_reads(S - 1), f"measured {measured} != formula {cfg.expected_reads(S - 1)}"
+    assert abs(total - TABLE4[S]) <= 1, f"total {total} vs paper {TABLE4[S]} (±1)"

@@ -1,0 +1,116 @@
+"""The CLI as users run it: exit codes, run folders, bad input, interruption."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "junit.xml"]
+
+
+def cli(*args, timeout=900):
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "nsa_validate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(root: Path):
+    return sorted(p for p in root.glob("*/*") if p.is_dir())
+
+
+def test_list_json():
+    r = cli("list", "--json")
+    assert r.returncode == 0
+    names = {s["name"] for s in json.loads(r.stdout)}
+    assert names == {"sanity", "triton", "fa2", "decode", "counters"}
+
+
+def test_env_json_on_stdout_tables_on_stderr():
+    r = cli("env", "--json")
+    assert r.returncode in (0, 3)
+    data = json.loads(r.stdout)
+    assert data["verdict"] in ("ok", "degraded", "broken") and "check" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["suite", "nosuch"], "unknown suite 'nosuch'"),
+    (["suite", "sanity", "--profile", "sm999"], "profile 'sm999' not found"),
+    (["suite", "sanity", "--out", "../../escape"], "path traversal"),
+    (["report", "/nonexistent/run"], "no results.json"),
+    (["oneshot", "--frobnicate"], "No such option"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 3
+
+
+def test_malformed_profile_and_unwritable_out(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsuites: {sanity: {batch: many}}\n")
+    r = cli("suite", "sanity", "--profile", str(bad), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "suites.sanity.batch" in r.stderr and "Traceback" not in r.stderr
+    afile = tmp_path / "file"
+    afile.write_text("")
+    r = cli("suite", "sanity", "--out", str(afile / "sub"))
+    assert r.returncode == 2 and "not writable" in r.stderr and "Traceback" not in r.stderr
+    r = cli("report", str(tmp_path))
+    assert r.returncode == 2 and "no results.json" in r.stderr
+
+
+def test_two_runs_two_folders_and_report_rerender(tmp_path):
+    for _ in range(2):
+        r = cli("suite", "sanity", "--out", str(tmp_path), "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 2
+    for d in dirs:
+        for f in RUN_FILES:
+            assert (d / f).is_file(), f
+    before = (dirs[0] / "report.md").read_text()
+    r = cli("report", str(dirs[0]))
+    assert r.returncode == 0 and (dirs[0] / "report.md").read_text() == before
+
+
+def test_strict_fails_on_not_implemented_suite(tmp_path):
+    r = cli("suite", "decode", "--out", str(tmp_path), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["suites"]["decode"]["status"] == "skip"
+    r = cli("suite", "decode", "--out", str(tmp_path), "--strict", "--json")
+    assert r.returncode == 1 and "not implemented" in " ".join(json.loads(r.stdout)["verdict"]["blocking"])
+
+
+def test_sigint_leaves_folder_marked_interrupted(tmp_path):
+    env = dict(os.environ, NO_COLOR="1")
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "counters", "sanity", "--out", str(tmp_path)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("*/*/suites/counters.records.jsonl")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr[-2000:]
+    (d,) = run_dirs(tmp_path)
+    man = json.loads((d / "manifest.json").read_text())
+    res = json.loads((d / "results.json").read_text())
+    assert man["status"] == "interrupted" and res["verdict"]["status"] == "fail"
+    assert (d / "report.md").is_file() and "Traceback" not in stderr
+
+
+def test_oneshot_cpu_passes_and_writes_everything(tmp_path):
+    r = cli("oneshot", "--out", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["suites"]["sanity"]["status"] == "pass" and out["suites"]["counters"]["status"] == "pass"
+    (d,) = run_dirs(tmp_path)
+    for f in RUN_FILES:
+        assert (d / f).is_file(), f
+    assert "VERDICT: pass" in r.stderr
+    md = (d / "report.md").read_text()
+    assert "paper Table 4" in md and "| 65536 |" in md

@@ -1,0 +1,86 @@
+"""Pairing logic with faked versions and metadata."""
+from pathlib import Path
+
+from nsa_validate import envcheck as ec
+
+TORCH_211 = ['filelock', 'triton==3.6.0; platform_system == "Linux"', 'sympy>=1.13.3',
+             'opt-einsum>=3.3; extra == "opt-einsum"']
+NIGHTLY = ['pytorch-triton==3.7.0+git1234abcd; platform_system == "Linux"']
+
+
+def test_pin_matches():
+    f = ec.check_torch_triton("2.11.0+cu130", TORCH_211, {"triton": "3.6.0"}, "13.0")
+    assert f.status == "ok" and "3.6.0" in f.detail
+
+
+def test_pin_mismatch_is_broken_with_exact_fix():
+    f = ec.check_torch_triton("2.11.0+cu130", TORCH_211, {"triton": "3.5.1"}, "13.0")
+    assert f.status == "broken" and f.fix == 'pip install "triton==3.6.0"'
+
+
+def test_pin_present_but_triton_missing():
+    f = ec.check_torch_triton("2.11.0+cu130", TORCH_211, {"triton": None}, "13.0")
+    assert f.status == "broken" and "not installed" in f.detail
+
+
+def test_nightly_pytorch_triton_pin():
+    ok = ec.check_torch_triton("2.13.0.dev20260101+cu130", NIGHTLY, {"pytorch-triton": "3.7.0+git1234abcd"}, "13.0")
+    bad = ec.check_torch_triton("2.13.0.dev20260101+cu130", NIGHTLY, {"pytorch-triton": "3.6.0", "triton": "3.6.0"}, "13.0")
+    assert ok.status == "ok" and bad.status == "broken" and "pytorch-triton" in bad.fix
+
+
+def test_cpu_build_is_not_applicable():
+    f = ec.check_torch_triton("2.13.0+cpu", ["filelock"], {"triton": "3.9.0"}, None)
+    assert f.status == "n/a" and "not applicable" in f.detail
+
+
+def test_known_pairs_fallback_when_metadata_has_no_pin():
+    assert ec.check_torch_triton("2.4.1", None, {"triton": "3.0.0"}, "12.1").status == "ok"
+    f = ec.check_torch_triton("2.4.1", None, {"triton": "3.1.0"}, "12.1")
+    assert f.status == "broken" and "3.0" in f.fix
+    assert ec.check_torch_triton("2.99.0", None, {"triton": "9.0"}, "12.1").status == "degraded"
+
+
+def test_undefined_symbol_names_the_wheel_that_fits():
+    tag = ec.flash_attn_wheel_tag("12.4", "2.5.1+cu124", False, (3, 10))
+    assert tag == "+cu12torch2.5cxx11abiFALSE-cp310-cp310-linux_x86_64"
+    err = ("/x/flash_attn_2_cuda.cpython-310-x86_64-linux-gnu.so: undefined symbol: "
+           "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE")
+    f = ec.diagnose_flash_import(err, "2.8.3", tag)
+    assert f.status == "degraded" and "built against another torch" in f.detail
+    assert "flash_attn-2.8.3+cu12torch2.5cxx11abiFALSE-cp310-cp310-linux_x86_64.whl" in f.fix
+
+
+def test_other_import_error():
+    f = ec.diagnose_flash_import("No module named 'einops'", "2.8.3", "+x")
+    assert f.status == "degraded" and "einops" in f.detail
+
+
+def test_cuda_runtime_vs_driver():
+    assert ec.check_cuda_driver("12.4", 12040).status == "ok"
+    assert ec.check_cuda_driver("13.0", 12080).status == "broken"
+    assert ec.check_cuda_driver("12.8", 12040).status == "degraded"
+    assert ec.check_cuda_driver(None, None).status == "n/a"
+
+
+def test_kernels_shadowing(tmp_path):
+    root = tmp_path / "repo"
+    (root / "kernels").mkdir(parents=True)
+    (root / "kernels" / "__init__.py").write_text("")
+    assert ec.check_kernels_shadow(str(root / "kernels" / "__init__.py"), root).status == "ok"
+    f = ec.check_kernels_shadow("/usr/lib/python3/site-packages/kernels/__init__.py", root)
+    assert f.status == "broken" and "PyPI" in f.detail
+    assert ec.check_kernels_shadow(None, root).status == "broken"
+
+
+def test_verdict_order():
+    r = ec.EnvReport(findings=[ec.Finding("a", "ok", ""), ec.Finding("b", "degraded", "")])
+    assert r.verdict == "degraded"
+    r.findings.append(ec.Finding("c", "broken", ""))
+    assert r.verdict == "broken"
+
+
+def test_collect_runs_here():
+    rep = ec.collect()
+    assert rep.verdict in ("ok", "degraded", "broken")
+    assert rep.facts["torch"] and Path(__file__).exists()

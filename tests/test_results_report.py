@@ -1,0 +1,61 @@
+"""Results schema, verdict, JUnit and report rendering from results.json alone."""
+import json
+import xml.etree.ElementTree as ET
+
+from nsa_validate import junit, report
+from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
+
+
+def _suites():
+    return {"sanity": SuiteResult("sanity", "pass", 1.0, [CaseRecord("a[fp32]", "sanity", "pass",
+                                  metrics={"out": {"max_abs": 1e-7, "base_err": 0.0, "ratio": None, "bound": 2e-5,
+                                                   "rel_rms": 1e-7, "finite": True, "ok": True}},
+                                  backends={"prefill/sel": ["torch"]})]),
+            "fa2": SuiteResult("fa2", "skip", 0.1, [CaseRecord("varlen[bf16]", "fa2", "skip", "no CUDA device")])}
+
+
+def test_verdict_skips_pass_unless_strict():
+    s = _suites()
+    assert verdict(s, strict=False)["status"] == "pass"
+    v = verdict(s, strict=True)
+    assert v["status"] == "fail" and "no CUDA device" in v["blocking"][0]
+    assert verdict(s, strict=True, allowed_skips={"fa2": "no GPU on CI"})["status"] == "pass"
+
+
+def test_fail_and_error_block():
+    s = _suites()
+    s["x"] = SuiteResult("x", "error", 0, [CaseRecord("suite-process", "x", "error", "killed by SIGSEGV")])
+    assert verdict(s, strict=False)["status"] == "fail"
+
+
+def _results(tmp_path):
+    s = _suites()
+    res = {"schema_version": SCHEMA_VERSION,
+           "manifest": {"started": "2026-01-01T00:00:00+00:00", "status": "complete", "commit": "abc", "dirty": True,
+                        "command": ["nsa-validate", "oneshot"], "profile": "cpu"},
+           "env": {"verdict": "degraded", "facts": {"torch": "2.13.0+cpu"},
+                   "findings": [{"check": "flash-attn", "status": "degraded", "detail": "not installed", "fix": "pip install flash-attn"}]},
+           "suites": {n: x.to_dict() for n, x in s.items()}, "verdict": verdict(s, strict=False)}
+    write_json(tmp_path / "results.json", res)
+    return load_results(tmp_path / "results.json")
+
+
+def test_report_renders_from_results_only(tmp_path):
+    md = report.render(_results(tmp_path))
+    assert md.startswith("# nsa-validate report: PASS")
+    assert "| sanity | pass | 1 | 0 | 0 | 0 |" in md
+    assert "no CUDA device" in md and "pip install flash-attn" in md
+    assert "prefill/sel=torch" in md and "abc (dirty)" in md
+
+
+def test_junit_has_every_case(tmp_path):
+    res = _results(tmp_path)
+    junit.write(res, tmp_path / "j.xml")
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    cases = root.findall(".//testcase")
+    assert len(cases) == 2 and root.find(".//skipped").get("message") == "no CUDA device"
+
+
+def test_nan_metrics_keep_json_valid(tmp_path):
+    write_json(tmp_path / "x.json", {"a": float("nan"), "b": [float("inf")]})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": "nan", "b": ["inf"]}
