@@ -28,6 +28,7 @@ class DecodeCache:
         self.v_cmp = torch.full((batch, n_max, G, cfg.d_v), nan, device=device, dtype=dtype)
         self.length = 0
         self.reads: dict[str, torch.Tensor] = {}   # per branch [B, G], set by each decode step
+        self.idx: torch.Tensor | None = None       # [B, G, n] blocks selected by the last step
 
     @property
     def n_cmp(self) -> int:

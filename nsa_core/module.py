@@ -136,6 +136,11 @@ class NSAAttention(nn.Module):
         fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
         return fn(cfg=self.cfg, **tensors)
 
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks prefill would select for x [B, S, D]: idx [B, S, G, n] (ascending, -1 padded)."""
+        q, k, _ = self._qkv(x)
+        return tb.select_blocks(q, self.cmp_k(k), self.cfg)
+
     def fill_cache(self, x: torch.Tensor, cache: DecodeCache) -> None:
         """Prefill only the cache (raw and compressed K/V) from x [B, S, D], no attention."""
         _, k, v = self._qkv(x)
@@ -145,7 +150,8 @@ class NSAAttention(nn.Module):
     def decode(self, x: torch.Tensor, cache: DecodeCache, *, only: str | None = None) -> torch.Tensor:
         """One decode step: x [B, 1, D] is token t = cache.length. Appends it to the cache and
         returns o_t [B, 1, D], exactly row t of a prefill over tokens 0..t.
-        Sets ``cache.reads[branch]`` [B, G]: KV tokens the branch read, from the tensors it used."""
+        Sets ``cache.reads[branch]`` [B, G]: KV tokens the branch read, from the tensors it used,
+        and ``cache.idx`` [B, G, n]: the blocks this step selected."""
         cfg = self.cfg
         q, k, v = self._qkv(x)
         t = cache.length
@@ -163,6 +169,7 @@ class NSAAttention(nn.Module):
             reads["cmp"] = used[:, 0]
         if "sel" in want:
             idx = tb.select_blocks(q, Kc, cfg, start=t)
+            cache.idx = idx[:, 0]
             parts["sel"], used = tb.sel_attention(q, K, V, idx, cfg, start=t, phase="decode", want_used=True)
             reads["sel"] = used[:, 0]
         if "win" in want:

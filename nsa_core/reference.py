@@ -143,14 +143,14 @@ def gates(x: torch.Tensor, w1, b1, w2, b2, cfg: NSAConfig) -> torch.Tensor:
 
 
 def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor | None = None,
-            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+            dtype: torch.dtype = torch.float32, with_scores: bool = False) -> dict[str, torch.Tensor]:
     """Oracle forward of ``nsa_core.module.NSAAttention`` weights on x [B, S, D].
 
     Computes in ``dtype`` (float32 for the oracle; the test dtype for the low-precision oracle
     of the tolerance rule). ``only`` forces the gate one-hot on a branch. ``idx`` [B, S, G, n]
     overrides the selected blocks (to compare a kernel that was given indices).
     Returns {"out": [B, S, D], "o_cmp"/"o_sel"/"o_win": [B, S, H, dv], "idx": [B, S, G, n],
-    "gate": [B, S, H, 3]}.
+    "gate": [B, S, H, 3]} and, with ``with_scores``, "scores": [B, S, G, NB] block importance.
     """
     cfg: NSAConfig = module.cfg
     P = {name: p.detach().to(dtype) for name, p in module.named_parameters()}
@@ -170,7 +170,7 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
 
     k_cmp, v_cmp = phi("k", k), phi("v", v)
     N = k_cmp.shape[1]
-    o_cmp, o_sel, o_win, idx_all = [], [], [], []
+    o_cmp, o_sel, o_win, idx_all, scores = [], [], [], [], []
     for t0 in range(0, S, _CHUNK):
         pos = torch.arange(t0, min(S, t0 + _CHUNK), device=x.device)
         qc = q[:, pos]
@@ -181,11 +181,10 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
         has = cm.any(-1)[None, :, None, None, None]
         p = torch.softmax(s.masked_fill(~has, 0.0), dim=-1) * has              # [B, c, G, h, N]
         o_cmp.append(torch.einsum("bqghk,bkgd->bqghd", p, v_cmp))
-        if idx is None:
+        if idx is None or with_scores:
             sc = block_scores(p.reshape(B, len(pos), G * h, N).float(), cfg, S)
-            idx_c = select_blocks(sc, pos, cfg)
-        else:
-            idx_c = idx[:, pos]
+            scores.append(sc)
+        idx_c = select_blocks(sc, pos, cfg) if idx is None else idx[:, pos]
         idx_all.append(idx_c)
         o_sel.append(masked_attention(qc, k, v, selection_mask(cfg, idx_c, pos, S), cfg.scale))
         o_win.append(masked_attention(qc, k, v, window_mask(cfg, pos, S)[None, :, None, :], cfg.scale))
@@ -196,4 +195,5 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
         g = F.one_hot(torch.tensor(BRANCHES.index(only)), 3).to(g)[None, None, None, :].expand_as(g)
     o = g[..., 0:1] * parts["o_cmp"] + g[..., 1:2] * parts["o_sel"] + g[..., 2:3] * parts["o_win"]
     out = o.reshape(B, S, -1) @ P["o_proj.weight"].T
-    return {"out": out, "gate": g, "idx": torch.cat(idx_all, 1), **parts}
+    extra = {"scores": torch.cat(scores, 1)} if with_scores else {}
+    return {"out": out, "gate": g, "idx": torch.cat(idx_all, 1), **parts, **extra}

@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -54,7 +55,7 @@ def show_env(rep: envcheck.EnvReport) -> None:
                   f"(CUDA {f.get('driver_cuda')}) · cuDNN {f.get('cudnn')} · SM {tel.get('clocks.sm', '?')} MHz "
                   f"{tel.get('temperature.gpu', '?')} C {tel.get('power.draw', '?')} W", "")
     for x in rep.findings:
-        t.add_row(x.check, _styled(x.status), x.detail, x.fix)
+        t.add_row(x.check, _styled(x.status), escape(x.detail), escape(x.fix))
     err.print(t)
 
 
@@ -212,11 +213,11 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
     for n, s in res["suites"].items():
         c = s["counts"]
         t.add_row(n, _styled(s["status"]), str(c["pass"]), str(c["fail"]), str(c["error"]), str(c["skip"]),
-                  f"{s['duration_s']:.1f}", s.get("reason", ""))
+                  f"{s['duration_s']:.1f}", escape(s.get("reason", "")))
     err.print(t)
     v = res["verdict"]
     for b in v["blocking"][:20]:
-        err.print(f"  [red]✗[/] {b}")
+        err.print(f"  [red]✗[/] {escape(b)}")
     tt = v["totals"]
     err.print(f"VERDICT: {_styled(v['status'])}{' (strict)' if v['strict'] else ''}: {tt['pass']} passed, "
               f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}")
