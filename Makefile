@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 oneshot: $(STAMP)
-	$(VENV)/bin/nsa-validate oneshot $(ARGS)
+	@$(VENV)/bin/nsa-validate oneshot $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	@$(PY) -m pytest -q $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
