@@ -34,6 +34,14 @@ def _grouped(q: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
     return q.view(B, Sq, cfg.n_kv_heads, cfg.heads_per_group, q.shape[-1])
 
 
+def _attend(qc, k, v, allowed, cfg: NSAConfig) -> torch.Tensor:
+    """Rows qc [B, c, H, d_k] over keys k/v [B, Sk, G, d] with mask allowed [c, Sk] -> [B, c, H, d_v]."""
+    B, c, H, _ = qc.shape
+    s = torch.einsum("bqghd,bkgd->bqghk", _grouped(qc, cfg), k) * cfg.scale
+    p = _softmax_rows(s, allowed[None, :, None, None, :])
+    return torch.einsum("bqghk,bkgd->bqghd", p.to(v.dtype), v).reshape(B, c, H, cfg.d_v)
+
+
 def cmp_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, t0: int, t1: int):
     """Compressed-branch probabilities of rows [t0, t1): (p [B, c, G, h, n] fp32, allowed [c, n])."""
     n = cfg.n_cmp(t1 - 1)
@@ -55,9 +63,9 @@ def cmp_attention(q, k_cmp, v_cmp, cfg: NSAConfig, start: int = 0, phase: str = 
         n = cfg.n_cmp(start + c1 - 1)
         if n == 0:
             continue
-        p, allowed = cmp_probs(q[:, c0:c1], k_cmp, cfg, start + c0, start + c1)
-        o = torch.einsum("bqghk,bkgd->bqghd", p.to(v_cmp.dtype), v_cmp[:, :n])
-        out[:, c0:c1] = o.reshape(B, c1 - c0, H, cfg.d_v)
+        pos = torch.arange(start + c0, start + c1, device=q.device)
+        allowed = (torch.arange(n, device=q.device) * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
+        out[:, c0:c1] = _attend(q[:, c0:c1], k_cmp[:, :n], v_cmp[:, :n], allowed, cfg)
         used[:, c0:c1] = allowed.sum(-1)[None, :, None]
     return (out, used) if want_used else out
 
@@ -147,9 +155,6 @@ def win_attention(q, k, v, cfg: NSAConfig, start: int = 0, phase: str = "prefill
         pos = torch.arange(t0, t1, device=q.device)[:, None]
         kpos = torch.arange(lo, t1, device=q.device)[None, :]
         allowed = (kpos <= pos) & (kpos > pos - cfg.window)                     # [c, Sk]
-        s = torch.einsum("bqghd,bkgd->bqghk", _grouped(q[:, c0:c1], cfg), k[:, lo:t1]) * cfg.scale
-        p = _softmax_rows(s, allowed[None, :, None, None, :])
-        o = torch.einsum("bqghk,bkgd->bqghd", p.to(v.dtype), v[:, lo:t1])
-        out[:, c0:c1] = o.reshape(B, c1 - c0, H, cfg.d_v)
+        out[:, c0:c1] = _attend(q[:, c0:c1], k[:, lo:t1], v[:, lo:t1], allowed, cfg)
         used[:, c0:c1] = allowed.sum(-1)[None, :, None]
     return (out, used) if want_used else out
