@@ -114,3 +114,23 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         assert json.loads((d / "manifest.json").read_text())["status"] == "complete"
     md = (dirs[0] / "report.md").read_text()
     assert "paper Table 4" in md and "| 65536 |" in md and "not implemented" in md
+
+
+def test_shadowed_kernels_is_broken_env_and_oneshot_stops_with_3(tmp_path):
+    """A foreign `kernels` package first on sys.path (as the PyPI 'kernels' distribution would be)."""
+    fake = tmp_path / "site"
+    (fake / "kernels").mkdir(parents=True)
+    (fake / "kernels" / "__init__.py").write_text("# not this repo's kernels\n")
+    env = dict(os.environ, NO_COLOR="1", PYTHONPATH=f"{fake}{os.pathsep}{REPO}")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "nsa_validate", *a], cwd=fake, env=env,
+                                    capture_output=True, text=True, timeout=300)
+    r = run("env", "--json")
+    assert r.returncode == 3
+    (f,) = [x for x in json.loads(r.stdout)["findings"] if x["check"] == "import kernels"]
+    assert f["status"] == "broken" and str(fake / "kernels") in f["detail"]
+    out = tmp_path / "runs"
+    r = run("oneshot", "--out", str(out), "--json")
+    assert r.returncode == 3 and "environment broken" in r.stderr and "Traceback" not in r.stderr
+    (d,) = run_dirs(out)
+    assert json.loads((d / "manifest.json").read_text())["status"] == "env-broken"
+    assert (d / "report.md").read_text().startswith("# nsa-validate report: FAIL")
