@@ -130,8 +130,8 @@ class NSAAttention(nn.Module):
 
     def _run(self, branch: str, routes, **tensors) -> torch.Tensor:
         d = routes[branch]
-        if d.backend != "torch":
-            impl, reason = routing.lookup("prefill", branch, d.backend)
+        if d.backend != "torch":    # decide() already checked that this implementation is usable
+            impl, _ = routing.lookup("prefill", branch, d.backend)
             return impl(cfg=self.cfg, **tensors)
         fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
         return fn(cfg=self.cfg, **tensors)
