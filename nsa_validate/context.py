@@ -7,7 +7,7 @@ auto-selected profile, the current device), so the CLI and pytest run the same t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nsa_validate import profiles
@@ -20,8 +20,6 @@ class RunContext:
     device: str                       # "cuda" | "cpu"
     out_dir: str = ""                 # where a suite may write CSVs and plots ("" = don't)
     strict: bool = False
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
