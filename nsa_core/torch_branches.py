@@ -42,11 +42,17 @@ def _attend(qc, k, v, allowed, cfg: NSAConfig) -> torch.Tensor:
     return torch.einsum("bqghk,bkgd->bqghd", p.to(v.dtype), v).reshape(B, c, H, cfg.d_v)
 
 
+def _cmp_allowed(cfg: NSAConfig, t0: int, t1: int, device) -> torch.Tensor:
+    """[c, n] bool for rows [t0, t1) over the n = n_cmp(t1−1) compressed tokens the chunk can use."""
+    pos = torch.arange(t0, t1, device=device)
+    i = torch.arange(cfg.n_cmp(t1 - 1), device=device)
+    return (i * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
+
+
 def cmp_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, t0: int, t1: int):
     """Compressed-branch probabilities of rows [t0, t1): (p [B, c, G, h, n] fp32, allowed [c, n])."""
-    n = cfg.n_cmp(t1 - 1)
-    pos = torch.arange(t0, t1, device=q.device)
-    allowed = (torch.arange(n, device=q.device) * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
+    allowed = _cmp_allowed(cfg, t0, t1, q.device)
+    n = allowed.shape[1]
     s = torch.einsum("bqghd,bkgd->bqghk", _grouped(q, cfg), k_cmp[:, :n]) * cfg.scale
     return _softmax_rows(s, allowed[None, :, None, None, :]), allowed
 
@@ -63,8 +69,7 @@ def cmp_attention(q, k_cmp, v_cmp, cfg: NSAConfig, start: int = 0, phase: str = 
         n = cfg.n_cmp(start + c1 - 1)
         if n == 0:
             continue
-        pos = torch.arange(start + c0, start + c1, device=q.device)
-        allowed = (torch.arange(n, device=q.device) * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
+        allowed = _cmp_allowed(cfg, start + c0, start + c1, q.device)
         out[:, c0:c1] = _attend(q[:, c0:c1], k_cmp[:, :n], v_cmp[:, :n], allowed, cfg)
         used[:, c0:c1] = allowed.sum(-1)[None, :, None]
     return (out, used) if want_used else out

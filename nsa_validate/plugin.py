@@ -27,7 +27,8 @@ class Recorder:
     def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
         """Record what ran; fail the case if ``backend`` did not execute ``phase/branch``."""
         for br, bes in log.backends(phase).items():
-            self.backends.setdefault(f"{phase}/{br}", sorted(set(self.backends.get(f"{phase}/{br}", [])) | set(bes)))
+            key = f"{phase}/{br}"
+            self.backends[key] = sorted(set(self.backends.get(key, [])) | set(bes))
         assert log.ran(phase, branch, backend) > 0, (
             f"path under test did not run: {phase}/{branch} on {backend}; ran: {log.backends(phase) or 'nothing'}")
 
