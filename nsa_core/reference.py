@@ -143,7 +143,8 @@ def gates(x: torch.Tensor, w1, b1, w2, b2, cfg: NSAConfig) -> torch.Tensor:
 
 
 def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor | None = None,
-            dtype: torch.dtype = torch.float32, with_scores: bool = False) -> dict[str, torch.Tensor]:
+            dtype: torch.dtype = torch.float32, with_scores: bool = False,
+            params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Oracle forward of ``nsa_core.module.NSAAttention`` weights on x [B, S, D].
 
     Computes in ``dtype`` (float32 for the oracle; the test dtype for the low-precision oracle
@@ -151,9 +152,12 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
     overrides the selected blocks (to compare a kernel that was given indices).
     Returns {"out": [B, S, D], "o_cmp"/"o_sel"/"o_win": [B, S, H, dv], "idx": [B, S, G, n],
     "gate": [B, S, H, 3]} and, with ``with_scores``, "scores": [B, S, G, NB] block importance.
+    ``params`` (name -> tensor, as ``module.named_parameters()``) replaces the module's detached
+    weights, e.g. with leaf tensors that require grad to obtain the oracle's gradients.
     """
     cfg: NSAConfig = module.cfg
-    P = {name: p.detach().to(dtype) for name, p in module.named_parameters()}
+    P = {name: p.detach().to(dtype) for name, p in module.named_parameters()} if params is None else \
+        {name: p.to(dtype) for name, p in params.items()}
     x = x.to(dtype)
     B, S, _ = x.shape
     G, h = cfg.n_kv_heads, cfg.heads_per_group

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,36 @@ class Recorder:
         assert not self._failures, "; ".join(self._failures)
 
 
+class SuiteExtra:
+    """Tables, notes and plots a suite adds to ``report.md`` (``SuiteResult.extra``).
+
+    Saved to ``<out_dir>/extra.json`` at every change, so what a suite measured before dying is
+    kept. Without an ``out_dir`` (a plain ``pytest suites/``) nothing is written.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.dir = Path(out_dir) if out_dir else None
+        self.data: dict = {"tables": {}, "notes": [], "plots": []}
+
+    def row(self, table: str, row: dict) -> None:
+        self.data["tables"].setdefault(table, []).append(row)
+        self._save()
+
+    def note(self, text: str) -> None:
+        self.data["notes"].append(text)
+        self._save()
+
+    def plot(self, path: str) -> None:
+        """``path``: relative to the run folder (where report.md is)."""
+        self.data["plots"].append(path)
+        self._save()
+
+    def _save(self) -> None:
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "extra.json").write_text(json.dumps(self.data, indent=1, default=str))
+
+
 _RECORDERS: dict[str, Recorder] = {}
 _STATE: dict[str, dict] = {}
 
@@ -63,6 +94,11 @@ def pytest_configure(config) -> None:
 @pytest.fixture(scope="session")
 def ctx() -> RunContext:
     return context.current()
+
+
+@pytest.fixture(scope="session")
+def extra(ctx) -> SuiteExtra:
+    return SuiteExtra(ctx.out_dir)
 
 
 @pytest.fixture

@@ -39,7 +39,13 @@ class TritonCfg:
     dtypes: list[str] = field(default_factory=lambda: ["fp32", "fp16"])
     heads_per_group: list[int] = field(default_factory=lambda: [1, 2, 16])
     head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])   # [d_k, d_v]
-    seq_lens: list[int] = field(default_factory=lambda: [77])
+    seq_lens: list[int] = field(default_factory=lambda: [77])    # kernel parity, every row checked
+    kv_heads: int = 2                                             # G of the kernel-level cases
+    block_size: int = 16                                          # l' of the kernel-level cases
+    n_selected: int = 4                                           # n of the kernel-level cases
+    varlen_lens: list[int] = field(default_factory=lambda: [0, 1, 17, 40])   # one packed batch
+    long_seq_lens: list[int] = field(default_factory=list)      # parity on sampled rows (GPU)
+    prefill_paper_len: int | None = None                          # module prefill, paper config
     bench_seq_lens: list[int] = field(default_factory=list)
 
 

@@ -21,7 +21,8 @@ class Suite:
 SUITES = {s.name: s for s in [
     Suite("sanity", "test_sanity.py",
           "tiny prefill + decode end to end; each branch (gate forced one-hot) vs the oracle; finite outputs"),
-    Suite("triton", None, "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism"),
+    Suite("triton", "test_triton.py",
+          "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism, module on the kernel; bench"),
     Suite("fa2", None, "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
     Suite("decode", None, "decode step time (CUDA graphs), per branch, dense baseline, roofline"),
     Suite("counters", "test_counters.py",

@@ -1,0 +1,59 @@
+"""Plugs the kernels into ``NSAAttention`` through ``nsa_core.routing``.
+
+An adapter turns the module's batch-first tensors into a kernel's layout, runs it, and notes in
+the dispatch log that it ran. Each registration carries an availability check that returns a
+one-line reason when the kernel cannot run for this query (so a fallback is always explained).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nsa_core import routing
+from nsa_core.config import NSAConfig
+
+try:
+    from kernels import selection
+    _TRITON_MISSING = None
+except ImportError as e:                      # a pod without triton still runs the torch path
+    selection, _TRITON_MISSING = None, f"triton does not import ({e})"
+
+
+def interpreting() -> bool:
+    """Triton's own switch: kernels run on CPU tensors through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **_) -> str | None:
+    """Why a Triton kernel cannot run for this query (None: it can)."""
+    if _TRITON_MISSING:
+        return _TRITON_MISSING
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cpu":
+        if not interpreting():
+            return "tensors are on the CPU and TRITON_INTERPRET is not set"
+        if dtype == torch.bfloat16:
+            return "bf16 under the Triton interpreter gives wrong results (fp32/fp16 only)"
+    if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
+        return f"GPU sm{''.join(map(str, torch.cuda.get_device_capability(dev)))} is older than sm80"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype} is not supported (fp16/bf16/fp32)"
+    if cfg is not None and cfg.block_size & (cfg.block_size - 1):
+        return f"selection block size l'={cfg.block_size} is not a power of two"
+    return None
+
+
+def prefill_selection(cfg: NSAConfig, q, k, v, idx):
+    """q [B, S, H, d_k], k/v [B, S, G, d], idx [B, S, G, n] -> o [B, S, H, d_v] on the Triton kernel."""
+    B, S, H, _ = q.shape
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+    o = selection.selection_attention(q.reshape(B * S, H, -1), k.reshape(B * S, cfg.n_kv_heads, -1),
+                                      v.reshape(B * S, cfg.n_kv_heads, -1),
+                                      idx.reshape(B * S, cfg.n_kv_heads, -1), cfg.block_size, cu,
+                                      scale=cfg.scale, max_seqlen=S)
+    routing.note("prefill", "sel", "triton")
+    return o.view(B, S, H, cfg.d_v)
+
+
+routing.register("prefill", "sel", "triton", prefill_selection, triton_unavailable)

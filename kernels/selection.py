@@ -1,0 +1,377 @@
+"""Triton selection attention (NSA's selected-block branch): forward and backward.
+
+Group-centric, as in the paper: one program per (query token, KV head) loads all h query heads
+of the GQA group and shares every fetch of a selected key/value block among them; the inner loop
+runs over the n selected blocks. The backward pass is split in two deterministic kernels:
+
+* ``_dq_kernel``   — query-centric like the forward (per token and KV head, loop over its blocks).
+* ``_dkdv_kernel`` — key-centric: one program per (selection block, KV head) loops over the
+  queries that selected that block, read from a reverse index built with a stable sort. Every
+  dk/dv row is written by exactly one program, so there are no atomics and gradients are
+  bit-identical from run to run.
+
+Layouts (packed variable length, like flash-attn's varlen API):
+    q        [T, H, d_k]      H = G·h; head ``g*h + i`` belongs to KV head g
+    k        [T, G, d_k]
+    v        [T, G, d_v]      d_v may differ from d_k (the paper's 192/128)
+    block_idx[T, G, n]        int32/int64 selection-block numbers relative to the token's own
+                              sequence start; -1 marks an unused slot; distinct per row
+    cu_seqlens [B + 1]        int32 sequence boundaries in T (empty sequences allowed)
+    o        [T, H, d_v]      same dtype as q
+    lse      [T, H]           fp32 natural-log sum of exp of the scaled scores (+inf for a
+                              row with no key, whose output is 0)
+
+Query t of a sequence attends to the tokens of its selected blocks at positions <= t. Memory is
+O(T·n) (no T×T matrix anywhere); token offsets are 64-bit, so T·H·d may exceed 2^31.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core import routing
+
+LOG2E = 1.4426950408889634
+
+
+# -- kernels -------------------------------------------------------------------------------
+@triton.jit
+def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
+                    sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, slt, slh,
+                    scale_log2,
+                    H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                    PREC: tl.constexpr):
+    t_rel = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    if t_rel < seq_len:
+        t = (bos + t_rel).to(tl.int64)
+        rows = tl.arange(0, BH)
+        row_ok = rows < H_PER_G
+        heads = g * H_PER_G + rows
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        offs_n = tl.arange(0, BN)
+        q = tl.load(Q + t * sqt + heads[:, None] * sqh + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, BDV], tl.float32)
+        for s_i in range(N_SEL):
+            j = tl.load(IDX + t * sit + g * sig + s_i)
+            kpos = j * BLOCK + offs_n
+            # a sentinel slot (j = -1 gives kpos < 0), tokens past the query (causality) and
+            # tile padding read nothing
+            valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
+            kt = (bos + kpos).to(tl.int64)
+            k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
+                        mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
+                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        tl.store(O + t * sot + heads[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(LSE + t * slt + heads * slh, lse, mask=row_ok)
+
+
+@triton.jit
+def _sel_dq_kernel(Q, K, V, IDX, CU, DO, LSE, DELTA, DQ,
+                   sqt, sqh, skt, skh, svt, svh, sit, sig, sdot, sdoh, slt, slh, sdqt, sdqh,
+                   scale, scale_log2,
+                   H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr,
+                   BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                   PREC: tl.constexpr):
+    t_rel = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    if t_rel < seq_len:
+        t = (bos + t_rel).to(tl.int64)
+        rows = tl.arange(0, BH)
+        row_ok = rows < H_PER_G
+        heads = g * H_PER_G + rows
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        offs_n = tl.arange(0, BN)
+        q = tl.load(Q + t * sqt + heads[:, None] * sqh + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        do = tl.load(DO + t * sdot + heads[:, None] * sdoh + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + t * slt + heads * slh, mask=row_ok, other=0.0)
+        dq = tl.zeros([BH, BDK], tl.float32)
+        for s_i in range(N_SEL):
+            j = tl.load(IDX + t * sit + g * sig + s_i)
+            kpos = j * BLOCK + offs_n
+            valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
+            kt = (bos + kpos).to(tl.int64)
+            k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
+                        mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
+                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+
+
+@triton.jit
+def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, DK_OUT, DV_OUT,
+                     BLK_START, BLK_SEQ, OFFSETS, QLIST, n_blk_slots,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, sdkt, sdkh, sdvt, sdvh,
+                     scale, scale_log2,
+                     H_PER_G: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     BHB: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
+                     BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+    gb = tl.program_id(0)             # global selection-block slot
+    g = tl.program_id(1)
+    start = tl.load(BLK_START + gb)   # token index of the block's first token, -1: no block
+    if start >= 0:
+        b = tl.load(BLK_SEQ + gb)
+        bos = tl.load(CU + b)
+        eos = tl.load(CU + b + 1)
+        offs_n = tl.arange(0, BN)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        kt = start.to(tl.int64) + offs_n
+        kpos = (start - bos) + offs_n
+        kvalid = (offs_n < BLOCK) & (kt < eos)
+        k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
+                    mask=kvalid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
+                    mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        dk = tl.zeros([BN, BDK], tl.float32)
+        dv = tl.zeros([BN, BDV], tl.float32)
+        lo = tl.load(OFFSETS + g * n_blk_slots + gb)
+        hi = tl.load(OFFSETS + g * n_blk_slots + gb + 1)
+        r = tl.arange(0, BQ * BHB)
+        hh = r % BHB
+        for c in range(lo, hi, BQ):
+            qi = c + r // BHB
+            in_list = qi < hi
+            tq = tl.load(QLIST + qi, mask=in_list, other=0).to(tl.int64)
+            row_ok = in_list & (hh < H_PER_G)
+            head = g * H_PER_G + hh
+            q = tl.load(Q + tq[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
+                        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            do = tl.load(DO + tq[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
+            qpos = tq - bos
+            valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        tl.store(DK_OUT + kt[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
+                 mask=kvalid[:, None] & (offs_dk[None, :] < DK))
+        tl.store(DV_OUT + kt[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+                 mask=kvalid[:, None] & (offs_dv[None, :] < DV))
+
+
+# -- launchers -----------------------------------------------------------------------------
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be rounded to tf32 by tl.dot: the fp32 case is compared at fp32 floor
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
+    """Validate layouts; returns (G, h). Raises ValueError with a one-line reason."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be packed [T, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    T, H, dk = q.shape
+    G = k.shape[1]
+    if k.shape != (T, G, dk) or v.shape[:2] != (T, G):
+        raise ValueError(f"k must be [T, G, d_k] and v [T, G, d_v] with T={T}, d_k={dk}; "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if H % G:
+        raise ValueError(f"query heads H={H} must be a multiple of KV heads G={G}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one dtype of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if block_idx.dim() != 3 or block_idx.shape[:2] != (T, G):
+        raise ValueError(f"block_idx must be [T, G, n] = [{T}, {G}, n]; got {tuple(block_idx.shape)}")
+    if block_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_idx must be int32 or int64; got {block_idx.dtype}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor; got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two; got {block_size}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("block_idx", block_idx)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    return G, H // G
+
+
+def _cu(cu_seqlens, T, device):
+    if cu_seqlens is None:
+        return torch.tensor([0, T], dtype=torch.int32, device=device), T
+    return cu_seqlens, None
+
+
+def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None, *, scale=None,
+                            max_seqlen: int | None = None, out=None, lse=None):
+    """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
+    (e.g. NaN-poisoned buffers in tests); every valid row of both is written."""
+    cu, ms = _cu(cu_seqlens, q.shape[0], q.device)
+    G, h = _check(q, k, v, block_idx, cu, block_size)
+    T, H, dk = q.shape
+    dv = v.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(dk)
+    max_seqlen = max_seqlen or ms or int((cu[1:] - cu[:-1]).max().item() if cu.numel() > 1 else 0)
+    out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype) if out is None else out
+    lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
+    B = cu.numel() - 1
+    if T and B and max_seqlen:
+        BDK, BDV = _pow2(dk), _pow2(dv)
+        _sel_fwd_kernel[(max_seqlen, G, B)](
+            q, k, v, block_idx, cu, out, lse,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            scale * LOG2E,
+            H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
+            BH=_pow2(h), BN=_pow2(block_size), BDK=BDK, BDV=BDV, PREC=_precision(q.dtype),
+            num_warps=4 if max(BDK, BDV) <= 128 else 8)
+        routing.note("kernel", "sel_fwd", "triton")
+    return out, lse
+
+
+def reverse_index(block_idx, cu_seqlens, block_size: int):
+    """Which queries selected each (selection block, KV head), without a host sync.
+
+    Returns (blk_start [NBU] int32: first token of global block slot, -1 if none;
+    blk_seq [NBU] int32: its sequence; offsets [G·NBU + 2] int32; qlist [*] int32: query tokens
+    grouped by (KV head, block), ascending within a group). NBU = ⌈T/l'⌉ + B bounds the number of
+    blocks over all sequences. The sort is stable, so the lists (and the gradients summed over
+    them) are the same on every run.
+    """
+    T, G, n = block_idx.shape
+    dev = block_idx.device
+    B = cu_seqlens.numel() - 1
+    NBU = -(-T // block_size) + B
+    tok = torch.arange(T, device=dev, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens[1:], tok, right=True)                     # [T]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    blk_off = torch.zeros(B + 1, dtype=torch.int64, device=dev)
+    blk_off[1:] = torch.cumsum((lens + block_size - 1) // block_size, 0)
+    pos = tok - cu_seqlens[seq]
+    gblock_of_tok = blk_off[seq] + pos // block_size                              # [T]
+    blk_start = torch.full((NBU,), -1, dtype=torch.int32, device=dev)
+    blk_seq = torch.zeros(NBU, dtype=torch.int32, device=dev)
+    first = pos % block_size == 0
+    blk_start[gblock_of_tok[first]] = tok[first]
+    blk_seq[gblock_of_tok[first]] = seq[first].to(torch.int32)
+    bi = block_idx.long()
+    gb = blk_off[seq][:, None, None] + bi                                          # [T, G, n]
+    key = torch.arange(G, device=dev)[None, :, None] * NBU + gb
+    key = torch.where(bi >= 0, key, G * NBU).flatten()                             # sentinel bucket last
+    order = torch.sort(key, stable=True).indices
+    qlist = (order // (G * n)).to(torch.int32)
+    counts = torch.bincount(key, minlength=G * NBU + 1)
+    offsets = torch.zeros(G * NBU + 2, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return blk_start, blk_seq, offsets, qlist, NBU
+
+
+def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_seqlens=None, *,
+                            scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None):
+    """Backward launcher: returns (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype.
+    Every row of the three is written (zero where no query reached a key)."""
+    cu, ms = _cu(cu_seqlens, q.shape[0], q.device)
+    G, h = _check(q, k, v, block_idx, cu, block_size)
+    T, H, d_k = q.shape
+    d_v = v.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
+    max_seqlen = max_seqlen or ms or int((cu[1:] - cu[:-1]).max().item() if cu.numel() > 1 else 0)
+    do = do.contiguous()
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    B = cu.numel() - 1
+    if not (T and B and max_seqlen):
+        return dq, dk, dv
+    delta = (o.float() * do.float()).sum(-1)                                       # [T, H]
+    lse = lse.contiguous()
+    BDK, BDV, BN, prec = _pow2(d_k), _pow2(d_v), _pow2(block_size), _precision(q.dtype)
+    warps = 4 if max(BDK, BDV) <= 128 else 8
+    _sel_dq_kernel[(max_seqlen, G, B)](
+        q, k, v, block_idx, cu, do, lse, delta, dq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_idx.stride(0), block_idx.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), scale, scale * LOG2E,
+        H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
+        BH=_pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, num_warps=warps)
+    blk_start, blk_seq, offsets, qlist, NBU = reverse_index(block_idx, cu, block_size)
+    BHB = triton.next_power_of_2(h)
+    _sel_dkdv_kernel[(NBU, G)](
+        q, k, v, cu, do, lse, delta, dk, dv, blk_start, blk_seq, offsets, qlist, NBU,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E,
+        H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, 64 // BHB), BN=BN,
+        BDK=BDK, BDV=BDV, PREC=prec, num_warps=warps)
+    routing.note("kernel", "sel_bwd", "triton")
+    return dq, dk, dv
+
+
+# -- autograd ------------------------------------------------------------------------------
+class _SelectionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, block_size, cu_seqlens, scale, max_seqlen):
+        o, lse = selection_attention_fwd(q, k, v, block_idx, block_size, cu_seqlens,
+                                         scale=scale, max_seqlen=max_seqlen)
+        ctx.save_for_backward(q, k, v, o, lse, block_idx, cu_seqlens)
+        ctx.block_size, ctx.scale, ctx.max_seqlen = block_size, scale, max_seqlen
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, block_idx, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = selection_attention_bwd(do, q, k, v, o, lse, block_idx, ctx.block_size, cu_seqlens,
+                                             scale=ctx.scale, max_seqlen=ctx.max_seqlen)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
+                        block_size: int, cu_seqlens: torch.Tensor | None = None, *,
+                        scale: float | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+    """NSA selected-block attention, differentiable in q, k and v.
+
+    q [T, H, d_k], k [T, G, d_k], v [T, G, d_v] (packed sequences, fp16/bf16, or fp32);
+    block_idx [T, G, n] selection blocks of ``block_size`` tokens per query token and KV head,
+    numbered from the token's sequence start, -1 for unused slots; cu_seqlens [B+1] int32
+    (None: one sequence of T tokens); scale defaults to 1/sqrt(d_k); max_seqlen (the longest
+    sequence) avoids a device sync when given. Returns o [T, H, d_v].
+    """
+    cu, _ = _cu(cu_seqlens, q.shape[0], q.device)
+    return _SelectionAttention.apply(q, k, v, block_idx, block_size, cu, scale, max_seqlen)

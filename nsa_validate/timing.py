@@ -1,0 +1,121 @@
+"""The one timing helper (SPEC §6). Every bench in the project calls ``bench``.
+
+On a GPU each repetition is bracketed by CUDA events on the current stream, so the figure is the
+GPU's time, not Python's; with ``graph=True`` the work is first captured in a CUDA graph and each
+repetition is one graph replay (no launch overhead at all). An optional L2 flush before every
+repetition makes the reads come from HBM. The raw samples are kept; the summary is the median and
+the p20–p80 band, never a lone mean. On the CPU the timer is ``time.perf_counter`` and the result
+is labelled so (``timer == "cpu"``): such figures are noise for performance purposes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20      # larger than any current L2 (H100 50 MB, B200 126 MB)
+
+
+@dataclass
+class Timing:
+    timer: str                       # "cuda_events" | "cuda_graph" | "cpu"
+    samples_ms: list[float]
+    warmup: int
+    l2_flush: bool
+    telemetry_before: dict = field(default_factory=dict)
+    telemetry_after: dict = field(default_factory=dict)
+
+    def decile(self, k: int) -> float:
+        """The k-th decile (k = 2: p20) of the samples, linear interpolation."""
+        s = self.samples_ms
+        return s[0] if len(s) == 1 else statistics.quantiles(s, n=10, method="inclusive")[k - 1]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def p20_ms(self) -> float:
+        return self.decile(2)
+
+    @property
+    def p80_ms(self) -> float:
+        return self.decile(8)
+
+    def summary(self) -> dict:
+        """What a results record carries: median, band, count, timer, and the raw samples."""
+        return {"median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms,
+                "reps": len(self.samples_ms), "timer": self.timer, "l2_flush": self.l2_flush,
+                "samples_ms": [round(s, 6) for s in self.samples_ms]}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _telemetry() -> dict:
+    from nsa_validate.envcheck import gpu_telemetry
+    t = gpu_telemetry()
+    return {k: t[k] for k in ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "pstate") if k in t}
+
+
+def _capture(fn: Callable[[], object]) -> Callable[[], None]:
+    """Capture fn in a CUDA graph (warmed up on a side stream, as torch.cuda.graphs requires)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, reps: int | None = None,
+          budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 200, l2_flush: bool = True,
+          graph: bool = False, telemetry: bool = True) -> Timing:
+    """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps])
+    after the warmup calls. ``graph``: time replays of a CUDA graph of fn (GPU only)."""
+    if device != "cuda":
+        for _ in range(warmup):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        est = (time.perf_counter() - t0) * 1e3
+        n = reps or max(min_reps, min(max_reps, int(budget_ms / max(est, 1e-3))))
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return Timing("cpu", samples, warmup, False)
+
+    before = _telemetry() if telemetry else {}
+    run = _capture(fn) if graph else fn
+    for _ in range(warmup):
+        run()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if l2_flush else None
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    run()
+    e1.record()
+    torch.cuda.synchronize()
+    est = e0.elapsed_time(e1)
+    n = reps or max(min_reps, min(max_reps, int(budget_ms / max(est, 1e-3))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        if flush is not None:
+            flush.zero_()
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize()
+    samples = [a.elapsed_time(b) for a, b in zip(starts, ends)]
+    after = _telemetry() if telemetry else {}
+    return Timing("cuda_graph" if graph else "cuda_events", samples, warmup, l2_flush, before, after)
