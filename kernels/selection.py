@@ -5,10 +5,11 @@ of the GQA group and shares every fetch of a selected key/value block among them
 runs over the n selected blocks. The backward pass is split in two deterministic kernels:
 
 * ``_dq_kernel``   — query-centric like the forward (per token and KV head, loop over its blocks).
-* ``_dkdv_kernel`` — key-centric: one program per (selection block, KV head) loops over the
-  queries that selected that block, read from a reverse index built with a stable sort. Every
-  dk/dv row is written by exactly one program, so there are no atomics and gradients are
-  bit-identical from run to run.
+* ``_dkdv_kernel`` — key-centric: a program takes one (selection block, KV head) and a segment
+  of at most ``SEGMENT`` of the queries that selected it (a reverse index built with a stable
+  sort; block 0, which every query selects, is split over many programs instead of serialising
+  the whole pass) and writes an fp32 partial sum; ``_dkdv_reduce_kernel`` adds a block's
+  partials in segment order. No atomics anywhere: gradients are bit-identical run to run.
 
 Layouts (packed variable length, like flash-attn's varlen API):
     q        [T, H, d_k]      H = G·h; head ``g*h + i`` belongs to KV head g
@@ -94,8 +95,8 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
 
 
 @triton.jit
-def _sel_dq_kernel(Q, K, V, IDX, CU, DO, LSE, DELTA, DQ,
-                   sqt, sqh, skt, skh, svt, svh, sit, sig, sdot, sdoh, slt, slh, sdqt, sdqh,
+def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
+                   sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
                    scale, scale_log2,
                    H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr,
@@ -118,8 +119,12 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, DO, LSE, DELTA, DQ,
                     mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         do = tl.load(DO + t * sdot + heads[:, None] * sdoh + offs_dv[None, :],
                      mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        o = tl.load(O + t * sot + heads[:, None] * soh + offs_dv[None, :],
+                    mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(DELTA + t * slt + heads * slh, mask=row_ok, other=0.0)
+        # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
         dq = tl.zeros([BH, BDK], tl.float32)
         for s_i in range(N_SEL):
             j = tl.load(IDX + t * sit + g * sig + s_i)
@@ -140,34 +145,36 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, DK_OUT, DV_OUT,
-                     BLK_START, BLK_SEQ, OFFSETS, QLIST, n_blk_slots,
-                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, sdkt, sdkh, sdvt, sdvh,
-                     scale, scale_log2,
+def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
+                     SEG_BUCKET, SEG_LO, SEG_HI, BLK_START, BLK_SEQ, QLIST, n_blk_slots,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh,
+                     scale_log2,
                      H_PER_G: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      BHB: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
                      BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
-    gb = tl.program_id(0)             # global selection-block slot
-    g = tl.program_id(1)
-    start = tl.load(BLK_START + gb)   # token index of the block's first token, -1: no block
-    if start >= 0:
-        b = tl.load(BLK_SEQ + gb)
-        bos = tl.load(CU + b)
-        eos = tl.load(CU + b + 1)
+    """Partial dk/dv of one selection block and KV head from one segment of the queries that
+    selected it (QLIST[lo:hi]); written to the fp32 scratch row of this segment."""
+    seg = tl.program_id(0)
+    bucket = tl.load(SEG_BUCKET + seg)     # g · n_blk_slots + global block slot; -1: unused segment
+    if bucket >= 0:
+        g = bucket // n_blk_slots
+        gb = bucket % n_blk_slots
+        start = tl.load(BLK_START + gb)
+        bos = tl.load(CU + tl.load(BLK_SEQ + gb))
         offs_n = tl.arange(0, BN)
         offs_dk = tl.arange(0, BDK)
         offs_dv = tl.arange(0, BDV)
         kt = start.to(tl.int64) + offs_n
         kpos = (start - bos) + offs_n
-        kvalid = (offs_n < BLOCK) & (kt < eos)
+        kvalid = offs_n < BLOCK          # tokens past the sequence end are never <= a query
         k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
                     mask=kvalid[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         dk = tl.zeros([BN, BDK], tl.float32)
         dv = tl.zeros([BN, BDV], tl.float32)
-        lo = tl.load(OFFSETS + g * n_blk_slots + gb)
-        hi = tl.load(OFFSETS + g * n_blk_slots + gb + 1)
+        lo = tl.load(SEG_LO + seg)
+        hi = tl.load(SEG_HI + seg)
         r = tl.arange(0, BQ * BHB)
         hh = r % BHB
         for c in range(lo, hi, BQ):
@@ -190,6 +197,35 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, DK_OUT, DV_OUT,
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        seg64 = seg.to(tl.int64)
+        tl.store(PART_K + seg64 * (BN * BDK) + offs_n[:, None] * BDK + offs_dk[None, :], dk)
+        tl.store(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :], dv)
+
+
+@triton.jit
+def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, DK_OUT, DV_OUT, n_blk_slots,
+                            sdkt, sdkh, sdvt, sdvh, scale,
+                            BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                            BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+    """dk/dv of one selection block and KV head: its segments summed in order (deterministic);
+    zero where no query selected the block."""
+    gb = tl.program_id(0)
+    g = tl.program_id(1)
+    start = tl.load(BLK_START + gb)
+    if start >= 0:
+        eos = tl.load(CU + tl.load(BLK_SEQ + gb) + 1)
+        offs_n = tl.arange(0, BN)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        kt = start.to(tl.int64) + offs_n
+        kvalid = (offs_n < BLOCK) & (kt < eos)
+        dk = tl.zeros([BN, BDK], tl.float32)
+        dv = tl.zeros([BN, BDV], tl.float32)
+        first = tl.load(SEG_FIRST + g * n_blk_slots + gb).to(tl.int64)
+        last = tl.load(SEG_FIRST + g * n_blk_slots + gb + 1).to(tl.int64)
+        for seg64 in range(first, last):
+            dk += tl.load(PART_K + seg64 * (BN * BDK) + offs_n[:, None] * BDK + offs_dk[None, :])
+            dv += tl.load(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :])
         tl.store(DK_OUT + kt[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
                  mask=kvalid[:, None] & (offs_dk[None, :] < DK))
         tl.store(DV_OUT + kt[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
@@ -266,14 +302,21 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     return out, lse
 
 
-def reverse_index(block_idx, cu_seqlens, block_size: int):
-    """Which queries selected each (selection block, KV head), without a host sync.
+SEGMENT = 1024     # queries per dk/dv program: a block every query selected (block 0) is split up
 
-    Returns (blk_start [NBU] int32: first token of global block slot, -1 if none;
-    blk_seq [NBU] int32: its sequence; offsets [G·NBU + 2] int32; qlist [*] int32: query tokens
-    grouped by (KV head, block), ascending within a group). NBU = ⌈T/l'⌉ + B bounds the number of
-    blocks over all sequences. The sort is stable, so the lists (and the gradients summed over
-    them) are the same on every run.
+
+def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT) -> dict:
+    """Which queries selected each (KV head, selection block), cut into segments; no host sync.
+
+    Buckets are ``g · NBU + global block slot`` with NBU = ⌈T/l'⌉ + B, an upper bound on the
+    blocks of all sequences. Returns tensors (int32 unless noted):
+      blk_start [NBU]  first token of each global block slot, -1 for an unused slot
+      blk_seq   [NBU]  its sequence
+      qlist     [E]    query tokens grouped by bucket, ascending within a bucket (stable sort)
+      seg_first [G·NBU + 1]  segments of bucket i are seg_first[i] .. seg_first[i+1]-1
+      seg_bucket, seg_lo, seg_hi [NSEG]  per segment: its bucket (-1: unused) and qlist range
+    NSEG = ⌈E/segment⌉ + G·NBU bounds the segment count, so the grid needs no sync. Everything is
+    a pure function of block_idx, so the gradients summed over it are the same on every run.
     """
     T, G, n = block_idx.shape
     dev = block_idx.device
@@ -292,15 +335,27 @@ def reverse_index(block_idx, cu_seqlens, block_size: int):
     blk_start[gblock_of_tok[first]] = tok[first]
     blk_seq[gblock_of_tok[first]] = seq[first].to(torch.int32)
     bi = block_idx.long()
-    gb = blk_off[seq][:, None, None] + bi                                          # [T, G, n]
-    key = torch.arange(G, device=dev)[None, :, None] * NBU + gb
-    key = torch.where(bi >= 0, key, G * NBU).flatten()                             # sentinel bucket last
+    key = torch.arange(G, device=dev)[None, :, None] * NBU + blk_off[seq][:, None, None] + bi
+    key = torch.where(bi >= 0, key, G * NBU).flatten()                             # sentinels: bucket G·NBU
     order = torch.sort(key, stable=True).indices
     qlist = (order // (G * n)).to(torch.int32)
-    counts = torch.bincount(key, minlength=G * NBU + 1)
-    offsets = torch.zeros(G * NBU + 2, dtype=torch.int32, device=dev)
+    counts = torch.bincount(key, minlength=G * NBU + 1)[:G * NBU]
+    offsets = torch.zeros(G * NBU + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
-    return blk_start, blk_seq, offsets, qlist, NBU
+    nseg = (counts + segment - 1) // segment
+    seg_first = torch.zeros(G * NBU + 1, dtype=torch.int64, device=dev)
+    seg_first[1:] = torch.cumsum(nseg, 0)
+    NSEG = -(-key.numel() // segment) + G * NBU
+    s = torch.arange(NSEG, device=dev)
+    bucket = torch.searchsorted(seg_first, s, right=True) - 1                      # [NSEG]
+    used = s < seg_first[-1]
+    bucket = torch.where(used, bucket, 0)
+    lo = offsets[bucket] + (s - seg_first[bucket]) * segment
+    hi = torch.minimum(lo + segment, offsets[bucket + 1])
+    i32 = lambda x: x.to(torch.int32)  # noqa: E731
+    return {"blk_start": blk_start, "blk_seq": blk_seq, "qlist": qlist, "n_blk_slots": NBU,
+            "seg_first": i32(seg_first), "seg_bucket": i32(torch.where(used, bucket, -1)),
+            "seg_lo": i32(lo), "seg_hi": i32(hi)}
 
 
 def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_seqlens=None, *,
@@ -320,26 +375,35 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     B = cu.numel() - 1
     if not (T and B and max_seqlen):
         return dq, dk, dv
-    delta = (o.float() * do.float()).sum(-1)                                       # [T, H]
     lse = lse.contiguous()
+    delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
     BDK, BDV, BN, prec = _pow2(d_k), _pow2(d_v), _pow2(block_size), _precision(q.dtype)
     warps = 4 if max(BDK, BDV) <= 128 else 8
     _sel_dq_kernel[(max_seqlen, G, B)](
-        q, k, v, block_idx, cu, do, lse, delta, dq,
+        q, k, v, block_idx, cu, o, do, lse, delta, dq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_idx.stride(0), block_idx.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+        block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
+        lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), scale, scale * LOG2E,
         H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
         BH=_pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, num_warps=warps)
-    blk_start, blk_seq, offsets, qlist, NBU = reverse_index(block_idx, cu, block_size)
+    ri = reverse_index(block_idx, cu, block_size)
+    NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
+    # fp32 partial sums of every segment; summed in segment order by the reduce kernel
+    part_k = torch.empty(NSEG, BN, BDK, device=q.device, dtype=torch.float32)
+    part_v = torch.empty(NSEG, BN, BDV, device=q.device, dtype=torch.float32)
     BHB = triton.next_power_of_2(h)
-    _sel_dkdv_kernel[(NBU, G)](
-        q, k, v, cu, do, lse, delta, dk, dv, blk_start, blk_seq, offsets, qlist, NBU,
+    _sel_dkdv_kernel[(NSEG,)](
+        q, k, v, cu, do, lse, delta, part_k, part_v,
+        ri["seg_bucket"], ri["seg_lo"], ri["seg_hi"], ri["blk_start"], ri["blk_seq"], ri["qlist"], NBU,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E,
+        do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
         H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, 64 // BHB), BN=BN,
         BDK=BDK, BDV=BDV, PREC=prec, num_warps=warps)
+    _sel_dkdv_reduce_kernel[(NBU, G)](
+        part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
+        BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, BDK=BDK, BDV=BDV, num_warps=4)
     routing.note("kernel", "sel_bwd", "triton")
     return dq, dk, dv
 

@@ -121,26 +121,26 @@ class DispatchLog:
                 for (p, b, be), n in sorted(self.counts.items())]
 
 
-_local = threading.local()
-
-
-def _active() -> list[DispatchLog]:
-    if not hasattr(_local, "logs"):
-        _local.logs = []
-    return _local.logs
+# Process-wide, not per thread: autograd runs a CUDA backward pass on its own device thread, and
+# a kernel's backward must be seen by the capture that wrapped the forward.
+_logs: list[DispatchLog] = []
+_lock = threading.Lock()
 
 
 def note(phase: str, branch: str, backend: str) -> None:
     """Called by every branch implementation when it actually runs."""
-    for log in _active():
-        log.counts[(phase, branch, backend)] += 1
+    with _lock:
+        for log in _logs:
+            log.counts[(phase, branch, backend)] += 1
 
 
 @contextmanager
 def capture() -> Iterator[DispatchLog]:
     log = DispatchLog()
-    _active().append(log)
+    with _lock:
+        _logs.append(log)
     try:
         yield log
     finally:
-        _active().remove(log)
+        with _lock:
+            _logs.remove(log)

@@ -33,9 +33,14 @@ class Recorder:
         assert log.ran(phase, branch, backend) > 0, (
             f"path under test did not run: {phase}/{branch} on {backend}; ran: {log.backends(phase) or 'nothing'}")
 
-    def check(self, name: str, out, ref32, ref_lp, *, dtype, factor: float = 2.0) -> dict:
-        """Compare with the fp32 oracle (tolerance rule); failures are raised by ``assert_ok``."""
-        m = tolerance.compare(out, ref32, ref_lp, dtype=dtype, factor=factor)
+    def check(self, name: str, out, ref32, ref_lp, *, dtype, factor: float = 2.0,
+              no_rel_rms_bar_because: str | None = None) -> dict:
+        """Compare with the fp32 oracle (tolerance rule); failures are raised by ``assert_ok``.
+        ``no_rel_rms_bar_because``: judge by max-abs alone, and record why."""
+        m = tolerance.compare(out, ref32, ref_lp, dtype=dtype, factor=factor,
+                              apply_rel_rms_bar=no_rel_rms_bar_because is None)
+        if no_rel_rms_bar_because:
+            m["rel_rms_bar_not_applied"] = no_rel_rms_bar_because
         self.metrics[name] = {k: v for k, v in m.items() if k != "factor"}
         if not m["ok"]:
             self._failures.append(f"{name}: {tolerance.explain(m)}")

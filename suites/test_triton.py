@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from nsa_core import NSAAttention, reference, routing
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import RoutingPolicy
-from nsa_validate import timing, tolerance
+from nsa_validate import timing
 from nsa_validate.context import current
 from nsa_validate.tolerance import DTYPES
 
@@ -66,7 +66,8 @@ def _block_idx(lens, G, block_size, n, seed) -> torch.Tensor:
 
 def _oracle(q, k, v, idx, lens, block_size, dtype, rows=None):
     """Selection attention by the oracle in ``dtype``: o [T or len(rows), H, d_v] (differentiable).
-    ``rows`` (sorted global token indices) restricts the query rows computed."""
+    With ``rows`` (sorted global token indices) only those query rows are computed, and q holds
+    just those rows ([len(rows), H, d_k])."""
     G, dk = k.shape[1], k.shape[2]
     h = q.shape[1] // G
     cfg = tiny(block_size=block_size, n_selected=idx.shape[-1], n_kv_heads=G)
@@ -77,16 +78,18 @@ def _oracle(q, k, v, idx, lens, block_size, dtype, rows=None):
             kk, vv = k[s0:s0 + S].to(dtype)[None], v[s0:s0 + S].to(dtype)[None]
             for c in range(0, len(r), ORACLE_CHUNK):
                 rc = r[c:c + ORACLE_CHUNK]
+                qc = q[rc] if rows is None else q[torch.searchsorted(rows, rc)]
                 mask = reference.selection_mask(cfg, idx[rc].long()[None], rc - s0, S)
-                o = reference.masked_attention(q[rc].to(dtype).view(1, len(rc), G, h, dk), kk, vv, mask, dk ** -0.5)
+                o = reference.masked_attention(qc.to(dtype).view(1, len(rc), G, h, dk), kk, vv, mask, dk ** -0.5)
                 out.append(o.reshape(len(rc), G * h, -1))
         s0 += S
     return torch.cat(out) if out else q.new_zeros(0, q.shape[1], v.shape[2], dtype=dtype)
 
 
 def _oracle_grads(q, k, v, idx, lens, block_size, do, dtype, rows=None):
-    """(o, (dq, dk, dv)) of the oracle in ``dtype`` on leaf copies of q, k, v."""
-    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    """(o, (dq, dk, dv)) of the oracle in ``dtype`` on leaf copies of q (its ``rows`` only, if
+    given), k and v; do holds the gradient of the computed rows."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q if rows is None else q[rows], k, v)]
     o = _oracle(*leaves, idx, lens, block_size, dtype, rows)
     grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
     return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
@@ -261,7 +264,7 @@ def test_long_varlen_sampled_rows(dt, S, record):
     o32, g32 = _oracle_grads(q, k, v, idx, lens, L, do[rows], torch.float32, rows)
     olp, glp = _oracle_grads(q, k, v, idx, lens, L, do[rows], dtype, rows)
     record.check("o_rows", o[rows], o32, olp, dtype=dtype)
-    record.check("dq_rows", grads[0][rows], g32[0][rows], glp[0][rows], dtype=dtype, factor=3.0)
+    record.check("dq_rows", grads[0][rows], g32[0], glp[0], dtype=dtype, factor=3.0)
     rest = torch.ones(T, dtype=torch.bool, device=DEV)
     rest[rows] = False
     assert not grads[0][rest].any(), "dq is non-zero on rows that received no gradient"
@@ -284,7 +287,17 @@ def _module_cfg() -> NSAConfig:
 # Its oracle value is fp32 roundoff, so only the max-abs bound is meaningful for it, not rel-RMS.
 STRUCTURAL_ZERO = {"cmp_k.fc2.bias"}
 
-MODULE = [pytest.param(dt, S, id=f"{dt}-S{S}") for dt in CFG.dtypes for S in CFG.seq_lens]
+# fp32 always: there the whole layer (kernel with IEEE fp32 dots) is held to the fp32 floor
+MODULE = [pytest.param(dt, S, id=f"{dt}-S{S}") for dt in dict.fromkeys(["fp32", *CFG.dtypes])
+          for S in CFG.seq_lens]
+
+
+# bf16 gradients of a whole layer's parameters cannot meet the absolute rel-RMS bar: they are sums
+# of thousands of rounded terms with cancellation, and the bf16 oracle itself misses it (measured
+# on the H200: rel-RMS up to 2.7e-2, see each record's lowp_rel_rms). They are held to the
+# FlashAttention max-abs rule (3x the bf16 oracle's error); the layer's output, every fp16/fp32
+# tensor and every kernel-level tensor (dq, dk, dv above) keep the bar.
+BF16_LAYER_GRADS = "bf16 layer gradient: the bf16 oracle itself misses the rel-RMS bar (see lowp_rel_rms)"
 
 
 @pytest.mark.parametrize("dt,S", MODULE)
@@ -324,13 +337,9 @@ def test_module_fwd_bwd(dt, S, record):
         if got is None:       # a parameter the forward does not use (none expected)
             assert not r32.any(), f"{nm}: no gradient from the module but the oracle has one"
             continue
-        if nm in STRUCTURAL_ZERO:
-            m_ = tolerance.compare(got, r32, rlp, dtype=dtype, factor=3.0)
-            record.metrics[f"grad_{nm}"] = {**{k: v for k, v in m_.items() if k not in ("factor", "ok")},
-                                            "structural_zero": True}
-            assert m_["finite"] and m_["max_abs"] <= m_["bound"], f"grad_{nm} should be 0: {tolerance.explain(m_)}"
-            continue
-        record.check(f"grad_{nm}", got, r32, rlp, dtype=dtype, factor=3.0)
+        why = ("exactly zero gradient (softmax shift invariance): its oracle value is roundoff"
+               if nm in STRUCTURAL_ZERO else BF16_LAYER_GRADS if dtype == torch.bfloat16 else None)
+        record.check(f"grad_{nm}", got, r32, rlp, dtype=dtype, factor=3.0, no_rel_rms_bar_because=why)
     record.assert_ok()
 
 
