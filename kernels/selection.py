@@ -135,8 +135,9 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
                         mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
             v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
                         mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            # masked scores go to -inf before exp2: a score the forward never saw must not overflow
+            s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -160,13 +161,15 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
         g = bucket // n_blk_slots
         gb = bucket % n_blk_slots
         start = tl.load(BLK_START + gb)
-        bos = tl.load(CU + tl.load(BLK_SEQ + gb))
+        b = tl.load(BLK_SEQ + gb)
+        bos = tl.load(CU + b)
+        eos = tl.load(CU + b + 1)
         offs_n = tl.arange(0, BN)
         offs_dk = tl.arange(0, BDK)
         offs_dv = tl.arange(0, BDV)
         kt = start.to(tl.int64) + offs_n
         kpos = (start - bos) + offs_n
-        kvalid = offs_n < BLOCK          # tokens past the sequence end are never <= a query
+        kvalid = (offs_n < BLOCK) & (kt < eos)   # the last block of a sequence may be partial
         k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
                     mask=kvalid[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
@@ -191,8 +194,8 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
             valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+            s = tl.where(valid, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
