@@ -1,0 +1,32 @@
+"""Routing to the Triton selection kernel: the decision, and the reason when it cannot run."""
+import torch
+
+from nsa_core import routing, tiny
+from nsa_core.routing import RoutingPolicy
+from kernels import routes
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_threshold_picks_triton_from_min_len():
+    pol = RoutingPolicy(sel_triton_min_len=64)
+    cfg = tiny(block_size=16)
+    below = routing.decide(pol, "prefill", "sel", 63, cfg=cfg, device=DEV, dtype=torch.float32)
+    at = routing.decide(pol, "prefill", "sel", 64, cfg=cfg, device=DEV, dtype=torch.float32)
+    assert below.backend == "torch" and "63 < sel_triton_min_len=64" in below.reason
+    # on a GPU the kernel runs natively; without one, under the interpreter (see conftest.py)
+    assert at.backend == "triton", at.reason
+
+
+def test_fallback_carries_the_reason():
+    pol = RoutingPolicy(sel_triton_min_len=0)
+    d = routing.decide(pol, "prefill", "sel", 100, cfg=tiny(block_size=12), device="cpu", dtype=torch.float32)
+    assert d.backend == "torch" and "not a power of two" in d.reason
+
+
+def test_unavailable_reasons(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET is not set" in routes.triton_unavailable(device="cpu", dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "bf16" in routes.triton_unavailable(device="cpu", dtype=torch.bfloat16)
+    assert routes.triton_unavailable(device="cpu", dtype=torch.float16, cfg=tiny(block_size=16)) is None
