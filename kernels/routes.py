@@ -9,11 +9,16 @@ from __future__ import annotations
 import os
 
 import torch
+from packaging.version import Version
 
 from nsa_core import routing
 from nsa_core.config import NSAConfig
 
+INTERPRETER_MIN = (3, 9)     # oldest triton whose interpreter we ran the kernels on
+
 try:
+    import triton
+
     from kernels import selection
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
@@ -33,6 +38,10 @@ def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **
     if dev is not None and dev.type == "cpu":
         if not interpreting():
             return "tensors are on the CPU and TRITON_INTERPRET is not set"
+        if Version(triton.__version__).release < INTERPRETER_MIN:
+            return (f"the interpreter of triton {triton.__version__} cannot run the backward's data-dependent "
+                    f"loops (scalar loads come back as 1-element arrays; verified broken on 3.6.0, "
+                    f"working on 3.9.0)")
         if dtype == torch.bfloat16:
             return "bf16 under the Triton interpreter gives wrong results (fp32/fp16 only)"
     if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):

@@ -20,7 +20,7 @@ def test_threshold_picks_triton_from_min_len():
 
 def test_fallback_carries_the_reason():
     pol = RoutingPolicy(sel_triton_min_len=0)
-    d = routing.decide(pol, "prefill", "sel", 100, cfg=tiny(block_size=12), device="cpu", dtype=torch.float32)
+    d = routing.decide(pol, "prefill", "sel", 100, cfg=tiny(block_size=12), device=DEV, dtype=torch.float32)
     assert d.backend == "torch" and "not a power of two" in d.reason
 
 
