@@ -25,8 +25,15 @@ def test_fallback_carries_the_reason():
 
 
 def test_unavailable_reasons(monkeypatch):
+    monkeypatch.setattr(routes, "INTERPRETER_MIN", (0,))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "TRITON_INTERPRET is not set" in routes.triton_unavailable(device="cpu", dtype=torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "bf16" in routes.triton_unavailable(device="cpu", dtype=torch.bfloat16)
     assert routes.triton_unavailable(device="cpu", dtype=torch.float16, cfg=tiny(block_size=16)) is None
+
+
+def test_old_interpreter_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(routes, "INTERPRETER_MIN", (99,))
+    assert "interpreter of triton" in routes.triton_unavailable(device="cpu", dtype=torch.float32)
