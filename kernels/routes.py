@@ -13,6 +13,7 @@ from packaging.version import Version
 
 from nsa_core import routing
 from nsa_core.config import NSAConfig
+from kernels import fa2
 
 INTERPRETER_MIN = (3, 9)     # oldest triton whose interpreter we ran the kernels on
 
@@ -66,3 +67,40 @@ def prefill_selection(cfg: NSAConfig, q, k, v, idx):
 
 
 routing.register("prefill", "sel", "triton", prefill_selection, triton_unavailable)
+
+
+# -- FA-2 varlen for the compressed and window branches -------------------------------------
+def _fa2_unavailable(backend: str, branch: str):
+    def check(cfg: NSAConfig | None = None, device=None, dtype=None, **_) -> str | None:
+        b = fa2.resolve(backend)
+        if b is None:
+            return "no FA-2 backend can run here: " + "; ".join(f"{x}: {fa2.unavailable(x)}" for x in fa2.BACKENDS)
+        return fa2.unavailable(b, device=device, dtype=dtype, d_k=cfg.d_k if cfg else None,
+                               d_v=cfg.d_v if cfg else None, window=branch == "win")
+    return check
+
+
+def _fa2_prefill(backend: str, branch: str):
+    def run(cfg: NSAConfig, q, **t):
+        """q [B, S, H, d_k]; cmp: k_cmp/v_cmp [B, N, G, d]; win: k/v [B, S, G, d] -> [B, S, H, d_v]."""
+        B, S, H, _ = q.shape
+        b = fa2.resolve(backend)
+        qp = q.reshape(B * S, H, -1)
+        if branch == "win":
+            cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+            o = fa2.window_attention(qp, t["k"].reshape(B * S, cfg.n_kv_heads, -1),
+                                     t["v"].reshape(B * S, cfg.n_kv_heads, -1), cu, S, cfg.window, b, cfg.scale)
+        else:
+            N = t["k_cmp"].shape[1]
+            layout = fa2.compressed_layout((S,) * B, cfg, q.device)
+            o = fa2.compressed_attention(qp, t["k_cmp"].reshape(B * N, cfg.n_kv_heads, -1),
+                                         t["v_cmp"].reshape(B * N, cfg.n_kv_heads, -1), layout, b, cfg.scale)
+        routing.note("prefill", branch, f"fa2:{backend}")
+        return o.view(B, S, H, cfg.d_v)
+    return run
+
+
+for _backend in ("auto", *fa2.BACKENDS):
+    for _branch in ("cmp", "win"):
+        routing.register("prefill", _branch, f"fa2:{_backend}", _fa2_prefill(_backend, _branch),
+                         _fa2_unavailable(_backend, _branch))

@@ -1,4 +1,4 @@
-"""``nsa-validate``: env, list, suite, oneshot, report.
+"""``nsa-validate``: env, list, suite, oneshot, report, profile suggest.
 
 Machine output (``--json``) goes to stdout; tables and progress go to stderr (rich turns colour
 off when stderr is not a TTY or NO_COLOR is set). Exit codes: 0 pass, 1 a check failed or
@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nsa_validate import envcheck, junit, profiles, report, rundir
+from nsa_validate import envcheck, junit, profiles, report, rundir, thresholds
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import run_suite
@@ -98,6 +98,52 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
                 keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken")) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going))
+
+
+profile_app = typer.Typer(no_args_is_help=True, help="Profile tools.")
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.command("suggest")
+def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder whose fa2 suite ran its bench"),
+                        apply: bool = typer.Option(False, "--apply", help="replace the profile (a backup is kept)"),
+                        json_out: bool = JsonOpt) -> None:
+    """Write the FA-2 thresholds a run measured into a suggested profile next to the shipped one."""
+    res_path = run_dir / "results.json"
+    if not res_path.is_file():
+        raise UsageError(f"no results.json in '{run_dir}' (not a run folder)")
+    try:
+        res = load_results(res_path)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{res_path}: unreadable results ({e})") from None
+    suggest = ((res["suites"].get("fa2") or {}).get("extra") or {}).get("suggest")
+    if not suggest:
+        raise UsageError(f"run '{run_dir}' has no FA-2 recommendation (its fa2 suite did not run the bench: "
+                         f"see its report)")
+    prof = profiles.load(res["manifest"]["profile"])
+    shipped = Path(prof.source)
+    stamp = rundir.utc_now().replace("-", "").replace(":", "").replace("+0000", "Z")
+    gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
+    header = (f"# Suggested by `nsa-validate profile suggest` from run {run_dir.name} "
+              f"({gpu.get('name', 'unknown GPU')}, {res['manifest'].get('started')}):\n"
+              f"#   {', '.join(f'{k}={v}' for k, v in suggest.items())}\n")
+    text = thresholds.rewrite_routing(shipped.read_text(), suggest, header)
+    suggested = shipped.with_name(f"{shipped.stem}.suggested.yaml")
+    written = {}
+    if suggested.exists():       # keep what was there
+        suggested.rename(suggested.with_name(f"{suggested.name}.bak-{stamp}"))
+    suggested.write_text(text)
+    written["suggested"] = str(suggested)
+    if apply:
+        backup = shipped.with_name(f"{shipped.name}.bak-{stamp}")
+        backup.write_text(shipped.read_text())
+        shipped.write_text(text)
+        written.update(backup=str(backup), applied=str(shipped))
+    err.print(f"suggested routing: {suggest}")
+    for k, v in written.items():
+        err.print(f"{k}: {v}")
+    if json_out:
+        print(json.dumps({"suggest": suggest, **written}))
 
 
 @app.command("report")

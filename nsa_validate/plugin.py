@@ -69,6 +69,11 @@ class SuiteExtra:
         self.data["notes"].append(text)
         self._save()
 
+    def set(self, key: str, value) -> None:
+        """A named result (e.g. the fa2 suite's ``suggest``) for later commands to read."""
+        self.data[key] = value
+        self._save()
+
     def plot(self, path: str) -> None:
         """``path``: relative to the run folder (where report.md is)."""
         self.data["plots"].append(path)

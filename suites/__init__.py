@@ -23,7 +23,7 @@ SUITES = {s.name: s for s in [
           "tiny prefill + decode end to end; each branch (gate forced one-hot) vs the oracle; finite outputs"),
     Suite("triton", "test_triton.py",
           "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism, module on the kernel; bench"),
-    Suite("fa2", None, "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
+    Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
     Suite("decode", None, "decode step time (CUDA graphs), per branch, dense baseline, roofline"),
     Suite("counters", "test_counters.py",
           "decode read counters measured from the gathered indices == formula at every step; paper Table 4"),

@@ -1,0 +1,220 @@
+"""fa2: FA-2 varlen kernels (flash-attn and torch's varlen_attn) for the window and compressed
+branches, against the fp32 oracle; FA-2 vs SDPA per branch; threshold recommendations.
+
+Each backend is tested and reported on its own; a backend that cannot run here skips with the
+precise reason (no CUDA, flash-attn not installed or not importable, GPU older than sm80, torch
+without varlen_attn). Every case proves from the dispatch log that the FA-2 kernel ran. Method as
+in the other suites: inputs made once in the test dtype, the oracle (explicit masks) on those
+values in fp32 and in the test dtype, forward within 2x of the low-precision oracle's error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nsa_core import NSAAttention, reference, routing
+from nsa_core.config import NSAConfig
+from nsa_core.routing import RoutingPolicy
+from nsa_validate import thresholds, timing
+from nsa_validate.context import current
+from nsa_validate.tolerance import DTYPES
+
+CTX = current()
+CFG = CTX.profile.suites.fa2
+DEV = CTX.device
+BACKENDS = ("flash_attn", "varlen")
+NSA = NSAConfig(d_model=128, n_kv_heads=2, heads_per_group=4, d_k=128, d_v=128)   # l=32, d=16, w=512
+MIXED = [1, NSA.cmp_len - 1, 100, 777, 1500]          # includes 1 and l-1 tokens
+CHUNK = 256
+
+
+def _require(backend, dtype, cfg=NSA, window=False):
+    from kernels import fa2
+    why = fa2.unavailable(backend, device=DEV, dtype=dtype, d_k=cfg.d_k, d_v=cfg.d_v, window=window)
+    if why:
+        pytest.skip(f"{backend}: {why}")
+    return fa2
+
+
+def _cu(lens):
+    return torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g).to(dtype)
+
+
+def _oracle(q, k, v, lens_q, lens_k, mask_fn, dtype, cfg=NSA):
+    """Per sequence, masked attention in ``dtype``: mask_fn(positions [c], n_keys) -> [c, n_keys]."""
+    G, h = k.shape[1], q.shape[1] // k.shape[1]
+    out, q0, k0 = [], 0, 0
+    for Sq, Sk in zip(lens_q, lens_k):
+        kk, vv = k[k0:k0 + Sk].to(dtype)[None], v[k0:k0 + Sk].to(dtype)[None]
+        for c in range(0, Sq, CHUNK):
+            pos = torch.arange(c, min(Sq, c + CHUNK), device=DEV)
+            m = mask_fn(pos, Sk)[None, :, None, :]
+            qc = q[q0 + c:q0 + c + len(pos)].to(dtype).view(1, len(pos), G, h, -1)
+            out.append(reference.masked_attention(qc, kk, vv, m, q.shape[-1] ** -0.5).reshape(len(pos), G * h, -1))
+        q0, k0 = q0 + Sq, k0 + Sk
+    return torch.cat(out)
+
+
+def _check(record, name, out, q, k, v, lens_q, lens_k, mask_fn, dtype):
+    ref32 = _oracle(q, k, v, lens_q, lens_k, mask_fn, torch.float32)
+    ref_lp = _oracle(q, k, v, lens_q, lens_k, mask_fn, dtype)
+    record.check(name, out, ref32, ref_lp, dtype=dtype)
+    record.metrics["lens"] = lens_q
+    record.assert_ok()
+
+
+CASES = [pytest.param(b, dt, id=f"{b}-{dt}") for b in BACKENDS for dt in CFG.dtypes]
+
+
+@pytest.mark.parametrize("backend,dt", CASES)
+def test_causal_varlen(backend, dt, record):
+    dtype = DTYPES[dt]
+    fa2 = _require(backend, dtype)
+    T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
+    q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=i) for i, n in enumerate((H, G, G)))
+    with routing.capture() as log:
+        o = fa2.causal_attention(q, k, v, _cu(MIXED), max(MIXED), backend)
+    record.expect_ran(log, "kernel", "causal", f"fa2:{backend}")
+    causal = lambda pos, n: torch.arange(n, device=DEV)[None, :] <= pos[:, None]  # noqa: E731
+    _check(record, "o", o, q, k, v, MIXED, MIXED, causal, dtype)
+
+
+@pytest.mark.parametrize("backend,dt", CASES)
+def test_window_branch(backend, dt, record):
+    dtype = DTYPES[dt]
+    fa2 = _require(backend, dtype, window=True)
+    T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
+    q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=10 + i) for i, n in enumerate((H, G, G)))
+    with routing.capture() as log:
+        o = fa2.window_attention(q, k, v, _cu(MIXED), max(MIXED), NSA.window, backend)
+    record.expect_ran(log, "kernel", "win", f"fa2:{backend}")
+    _check(record, "o", o, q, k, v, MIXED, MIXED, lambda pos, n: reference.window_mask(NSA, pos, n), dtype)
+
+
+@pytest.mark.parametrize("backend,dt", CASES)
+def test_compressed_branch(backend, dt, record):
+    """The residue mapping of kernels/fa2.py: query t sees compressed tokens i with i·d+l−1 <= t."""
+    dtype = DTYPES[dt]
+    fa2 = _require(backend, dtype)
+    T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
+    n_cmp = [NSA.n_cmp_total(S) for S in MIXED]
+    q = _rand(T, H, NSA.d_k, dtype=dtype, seed=20)
+    kc, vc = _rand(sum(n_cmp), G, NSA.d_k, dtype=dtype, seed=21), _rand(sum(n_cmp), G, NSA.d_v, dtype=dtype, seed=22)
+    layout = fa2.compressed_layout(tuple(MIXED), NSA, torch.device(DEV))
+    with routing.capture() as log:
+        o = fa2.compressed_attention(q, kc, vc, layout, backend)
+    record.expect_ran(log, "kernel", "cmp", f"fa2:{backend}")
+    _check(record, "o", o, q, kc, vc, MIXED, n_cmp, lambda pos, n: reference.cmp_mask(NSA, pos, n), dtype)
+
+
+@pytest.mark.parametrize("backend,dt", CASES)
+def test_module_on_fa2(backend, dt, record):
+    """NSAAttention (paper head dims 192/128: v is zero-padded to 192 for FA-2) with both the
+    compressed and window branches routed to FA-2, vs the oracle."""
+    dtype = DTYPES[dt]
+    cfg = NSAConfig(d_model=128, n_kv_heads=2, heads_per_group=4, d_k=192, d_v=128)
+    _require(backend, dtype, cfg, window=True)
+    torch.manual_seed(0)
+    m = NSAAttention(cfg, RoutingPolicy(fa2_min_len_cmp=0, fa2_min_len_win=0, fa2_backend=backend)).to(DEV).to(dtype)
+    x = torch.randn(2, 1000, cfg.d_model, device=DEV).to(dtype)
+    idx = m.select(x)
+    with routing.capture() as log:
+        out = m(x, idx=idx)
+    for br in ("cmp", "win"):
+        record.expect_ran(log, "prefill", br, f"fa2:{backend}")
+        record.expect_ran(log, "kernel", br, f"fa2:{backend}")
+    ref32 = reference.forward(m, x, idx=idx)["out"]
+    ref_lp = reference.forward(m, x, idx=idx, dtype=dtype)["out"]
+    record.check("out", out, ref32, ref_lp, dtype=dtype)
+    record.assert_ok()
+
+
+# -- bench and recommendation (GPU) ---------------------------------------------------------
+BENCH = dict(G=4, H=64, d=128)            # SPEC §9 reference heads; bf16, B=1
+TABLE = "FA-2 vs SDPA per branch (bf16, B=1, H=64, G=4, d=128, l=32, d=16, w=512)"
+SPEEDUPS: dict[str, dict[str, dict[int, float]]] = {"cmp": {}, "win": {}}
+
+
+def _sdpa(q, k, v, mask):
+    """SDPA over [1, H, S, d] with an explicit boolean mask (the masked path SDPA takes)."""
+    H, G = q.shape[1], k.shape[1]
+    kk, vv = (t.repeat_interleave(H // G, dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                          vv.transpose(0, 1)[None], attn_mask=mask)
+
+
+BENCH_CASES = [pytest.param(br, S, id=f"{br}-S{S}") for br in ("cmp", "win") for S in CFG.bench_seq_lens] or \
+    [pytest.param(None, None, id="not-in-profile", marks=pytest.mark.skip(
+        reason=f"profile '{CTX.profile.name}' sets no bench lengths (suites.fa2.bench_seq_lens)"))]
+
+
+@pytest.mark.parametrize("branch,S", BENCH_CASES)
+def test_bench(branch, S, record, extra):
+    dtype = torch.bfloat16
+    from kernels import fa2
+    ran = [b for b in BACKENDS if fa2.unavailable(b, device=DEV, dtype=dtype, window=branch == "win") is None]
+    if not ran:
+        pytest.skip("no FA-2 backend can run here: " + "; ".join(
+            f"{b}: {fa2.unavailable(b, device=DEV, dtype=dtype)}" for b in BACKENDS))
+    G, H, d = BENCH["G"], BENCH["H"], BENCH["d"]
+    cfg = NSAConfig(n_kv_heads=G, heads_per_group=H // G, d_k=d, d_v=d)
+    q = _rand(S, H, d, dtype=dtype, seed=S)
+    cu = _cu([S])
+    pos = torch.arange(S, device=DEV)
+    if branch == "win":
+        k, v = _rand(S, G, d, dtype=dtype, seed=S + 1), _rand(S, G, d, dtype=dtype, seed=S + 2)
+        mask = reference.window_mask(cfg, pos, S)
+        fns = {b: (lambda b=b: fa2.window_attention(q, k, v, cu, S, cfg.window, b)) for b in ran}
+    else:
+        N = cfg.n_cmp_total(S)
+        k, v = _rand(N, G, d, dtype=dtype, seed=S + 1), _rand(N, G, d, dtype=dtype, seed=S + 2)
+        mask = reference.cmp_mask(cfg, pos, N)
+        layout = fa2.compressed_layout((S,), cfg, torch.device(DEV))
+        fns = {b: (lambda b=b: fa2.compressed_attention(q, k, v, layout, b)) for b in ran}
+    with routing.capture() as log:
+        for fn in fns.values():
+            fn()
+    for b in ran:
+        record.expect_ran(log, "kernel", branch, f"fa2:{b}")
+    t = {b: timing.bench(fn) for b, fn in fns.items()}
+    t["sdpa"] = timing.bench(lambda: _sdpa(q, k, v, mask))
+    record.metrics.update({name: tm.summary() for name, tm in t.items()})
+    row = {"branch": branch, "S": S, "SDPA ms": round(t["sdpa"].median_ms, 3)}
+    for b in BACKENDS:
+        if b in t:
+            sp = t["sdpa"].median_ms / t[b].median_ms
+            SPEEDUPS[branch].setdefault(b, {})[S] = sp
+            row[f"{b} ms"] = round(t[b].median_ms, 3)
+            row[f"{b} speedup"] = round(sp, 2)
+        else:
+            row[f"{b} ms"] = "skipped: " + fa2.unavailable(b, device=DEV, dtype=dtype)
+    extra.row(TABLE, row)
+
+
+def test_recommendation(record, extra):
+    """SPEC §6 rule over the bench above, per branch and backend; the profile suggestion."""
+    if not any(SPEEDUPS[br] for br in SPEEDUPS):
+        pytest.skip("no FA-2 bench ran here (see the bench cases' reasons)")
+    suggest = {"fa2_backend": "auto"}
+    for br in ("cmp", "win"):
+        per_backend = {b: thresholds.recommend(sp, CFG.margin) for b, sp in SPEEDUPS[br].items()}
+        for b, thr in per_backend.items():
+            extra.row("FA-2 threshold recommendation (SPEC §6)", {
+                "branch": br, "backend": b, "margin": CFG.margin,
+                "recommended fa2_min_len": thr if thr is not None else "disable",
+                "speedups": ", ".join(f"{S}: {x:.2f}x" for S, x in sorted(SPEEDUPS[br][b].items()))})
+        backend, thr = thresholds.pick_backend(per_backend)
+        suggest[f"fa2_min_len_{br}"] = thr
+        if backend:
+            suggest.setdefault("_backends", {})[br] = backend
+    backends = set(suggest.pop("_backends", {}).values())
+    if len(backends) == 1:
+        suggest["fa2_backend"] = backends.pop()
+    extra.set("suggest", suggest)
+    record.metrics["suggest"] = suggest

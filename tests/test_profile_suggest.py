@@ -1,0 +1,57 @@
+"""`nsa-validate profile suggest RUN [--apply]`: a suggestion next to the profile; apply keeps a backup."""
+import json
+import shutil
+
+import yaml
+
+from test_cli import REPO, cli
+
+
+def _run(tmp_path, suggest):
+    prof = tmp_path / "profiles" / "sm90.yaml"
+    prof.parent.mkdir()
+    shutil.copy(REPO / "profiles" / "sm90.yaml", prof)
+    run = tmp_path / "run"
+    run.mkdir()
+    fa2 = {"status": "pass", "cases": [], "extra": {"suggest": suggest} if suggest else {}}
+    (run / "results.json").write_text(json.dumps({
+        "schema_version": 1, "manifest": {"profile": str(prof), "started": "2026-11-21T00:00:00+00:00"},
+        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": {"fa2": fa2}}))
+    return prof, run
+
+
+SUGGEST = {"fa2_backend": "flash_attn", "fa2_min_len_cmp": 4096, "fa2_min_len_win": None}
+
+
+def test_suggest_writes_next_to_the_profile_and_leaves_it(tmp_path):
+    prof, run = _run(tmp_path, SUGGEST)
+    before = prof.read_text()
+    r = cli("profile", "suggest", str(run), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    sug = prof.with_name("sm90.suggested.yaml")
+    assert out["suggested"] == str(sug) and prof.read_text() == before
+    routing = yaml.safe_load(sug.read_text())["routing"]
+    assert routing["fa2_min_len_cmp"] == 4096 and routing["fa2_min_len_win"] is None
+    assert routing["fa2_backend"] == "flash_attn" and routing["sel_triton_min_len"] == 1024
+    # a second suggestion keeps the first one as a backup
+    assert cli("profile", "suggest", str(run)).returncode == 0
+    assert len(list(prof.parent.glob("sm90.suggested.yaml.bak-*"))) == 1
+
+
+def test_apply_replaces_only_after_a_backup(tmp_path):
+    prof, run = _run(tmp_path, SUGGEST)
+    before = prof.read_text()
+    r = cli("profile", "suggest", str(run), "--apply", "--json")
+    assert r.returncode == 0, r.stderr
+    backup = json.loads(r.stdout)["backup"]
+    assert open(backup).read() == before
+    assert yaml.safe_load(prof.read_text())["routing"]["fa2_min_len_cmp"] == 4096
+
+
+def test_run_without_a_recommendation_is_bad_input(tmp_path):
+    prof, run = _run(tmp_path, None)
+    r = cli("profile", "suggest", str(run))
+    assert r.returncode == 2 and "no FA-2 recommendation" in r.stderr and "Traceback" not in r.stderr
+    r = cli("profile", "suggest", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "no results.json" in r.stderr
