@@ -165,3 +165,21 @@ def test_shadowed_kernels_is_broken_env_and_oneshot_stops_with_3(tmp_path):
     (d,) = run_dirs(out)
     assert json.loads((d / "manifest.json").read_text())["status"] == "env-broken"
     assert (d / "report.md").read_text().startswith("# nsa-validate report: FAIL")
+
+
+def test_fa2_skips_name_what_is_missing_and_strict_fails(tmp_path):
+    """Where an FA-2 backend cannot run, its cases skip with the reason, and --strict exits 1."""
+    import torch
+
+    from kernels import fa2
+    r = cli("suite", "fa2", "--strict", "--out", str(tmp_path), "--json")
+    missing = {b: fa2.unavailable(b, dtype=torch.bfloat16) for b in fa2.BACKENDS}
+    res = json.loads((Path(json.loads(r.stdout)["run_dir"]) / "results.json").read_text())
+    skipped = [c for c in res["suites"]["fa2"]["cases"] if c["status"] == "skip"]
+    if any(missing.values()):
+        assert r.returncode == 1, r.stderr[-2000:]
+        for b, why in missing.items():
+            if why:
+                assert any(c["reason"].startswith(f"{b}: {why}") for c in skipped), (b, why)
+    else:
+        assert r.returncode == 0 and not skipped, r.stderr[-2000:]
