@@ -40,6 +40,34 @@ LOG2E = 1.4426950408889634
 
 # -- kernels -------------------------------------------------------------------------------
 @triton.jit
+def _load_rows(P, t, heads, row_ok, st, sh, D: tl.constexpr, BD: tl.constexpr):
+    """The h head rows of token t: [BH, BD] (zero past the group's heads and past D)."""
+    offs = tl.arange(0, BD)
+    return tl.load(P + t * st + heads[:, None] * sh + offs[None, :],
+                   mask=row_ok[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _load_selected_block(K, V, IDX_ROW, s_i, bos, t_rel, g, skt, skh, svt, svh,
+                         BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+    """Slot s_i of a query's block list: (k [BN, BDK], v [BN, BDV], valid [BN]). A sentinel slot
+    (j = -1 gives kpos < 0), tokens past the query (causality) and tile padding read nothing."""
+    offs_n = tl.arange(0, BN)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    j = tl.load(IDX_ROW + s_i)
+    kpos = j * BLOCK + offs_n
+    valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
+    kt = (bos + kpos).to(tl.int64)
+    k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
+                mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
+                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return k, v, valid
+
+
+@triton.jit
 def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, slt, slh,
                     scale_log2,
@@ -57,25 +85,14 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
         rows = tl.arange(0, BH)
         row_ok = rows < H_PER_G
         heads = g * H_PER_G + rows
-        offs_dk = tl.arange(0, BDK)
         offs_dv = tl.arange(0, BDV)
-        offs_n = tl.arange(0, BN)
-        q = tl.load(Q + t * sqt + heads[:, None] * sqh + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, BDV], tl.float32)
         for s_i in range(N_SEL):
-            j = tl.load(IDX + t * sit + g * sig + s_i)
-            kpos = j * BLOCK + offs_n
-            # a sentinel slot (j = -1 gives kpos < 0), tokens past the query (causality) and
-            # tile padding read nothing
-            valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
-            kt = (bos + kpos).to(tl.int64)
-            k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
-                        mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
-                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            k, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt, svh,
+                                               BLOCK, DK, DV, BN, BDK, BDV)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -113,28 +130,17 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
         row_ok = rows < H_PER_G
         heads = g * H_PER_G + rows
         offs_dk = tl.arange(0, BDK)
-        offs_dv = tl.arange(0, BDV)
-        offs_n = tl.arange(0, BN)
-        q = tl.load(Q + t * sqt + heads[:, None] * sqh + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        do = tl.load(DO + t * sdot + heads[:, None] * sdoh + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        o = tl.load(O + t * sot + heads[:, None] * soh + offs_dv[None, :],
-                    mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
+        do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
+        o = _load_rows(O, t, heads, row_ok, sot, soh, DV, BDV)
         lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
         dq = tl.zeros([BH, BDK], tl.float32)
         for s_i in range(N_SEL):
-            j = tl.load(IDX + t * sit + g * sig + s_i)
-            kpos = j * BLOCK + offs_n
-            valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
-            kt = (bos + kpos).to(tl.int64)
-            k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
-                        mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
-                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            k, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt, svh,
+                                               BLOCK, DK, DV, BN, BDK, BDV)
             # masked scores go to -inf before exp2: a score the forward never saw must not overflow
             s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])

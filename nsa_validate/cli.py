@@ -100,6 +100,17 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going))
 
 
+def _load_run(run_dir: Path) -> dict:
+    """results.json of a run folder, or a UsageError saying what is wrong with it."""
+    res_path = run_dir / "results.json"
+    if not res_path.is_file():
+        raise UsageError(f"no results.json in '{run_dir}' (not a run folder, or the run never started)")
+    try:
+        return load_results(res_path)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"{res_path}: unreadable results ({e})") from None
+
+
 profile_app = typer.Typer(no_args_is_help=True, help="Profile tools.")
 app.add_typer(profile_app, name="profile")
 
@@ -109,13 +120,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
                         apply: bool = typer.Option(False, "--apply", help="replace the profile (a backup is kept)"),
                         json_out: bool = JsonOpt) -> None:
     """Write the FA-2 thresholds a run measured into a suggested profile next to the shipped one."""
-    res_path = run_dir / "results.json"
-    if not res_path.is_file():
-        raise UsageError(f"no results.json in '{run_dir}' (not a run folder)")
-    try:
-        res = load_results(res_path)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"{res_path}: unreadable results ({e})") from None
+    res = _load_run(run_dir)
     suggest = ((res["suites"].get("fa2") or {}).get("extra") or {}).get("suggest")
     if not suggest:
         raise UsageError(f"run '{run_dir}' has no FA-2 recommendation (its fa2 suite did not run the bench: "
@@ -149,13 +154,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
 @app.command("report")
 def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
     """Re-render report.md of a run folder from its results.json."""
-    res_path = run_dir / "results.json"
-    if not res_path.is_file():
-        raise UsageError(f"no results.json in '{run_dir}' (not a run folder, or the run never started)")
-    try:
-        res = load_results(res_path)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"{res_path}: unreadable results ({e})") from None
+    res = _load_run(run_dir)
     (run_dir / "report.md").write_text(report.render(res))
     err.print(f"report: {run_dir / 'report.md'}")
     if json_out:
