@@ -1,0 +1,31 @@
+"""Decode roofline helpers: the seeds' flat, host-bound curve is labelled launch-bound."""
+from nsa_validate import roofline
+
+
+def test_bytes_and_bandwidth():
+    # paper config, 64k context: 5631 tokens per KV head, (192 + 128) bf16, G = 4, B = 16
+    b = roofline.bytes_read(5631, 192, 128, 2, 4, 16)
+    assert b == 5631 * 320 * 2 * 4 * 16
+    assert abs(roofline.achieved_gbs(b, 0.1) - b / 1e-4 / 1e9) < 1e-6
+
+
+def test_seeds_flat_curve_is_labelled_launch_bound():
+    """~5-6 ms per step from 128 to 4096 tokens (SPEC §9): the time ignores a 32x growth in bytes."""
+    rows = [{"S": S, "bytes": roofline.bytes_read(S, 192, 128, 2, 4, 1), "step_ms": ms}
+            for S, ms in [(128, 5.4), (512, 5.6), (1024, 5.5), (4096, 5.9)]]
+    out = roofline.label(rows)
+    assert all(r["launch_bound"] for r in out)
+    assert "flat" in out[0]["launch_bound_why"]
+
+
+def test_a_curve_that_grows_with_the_bytes_is_not_labelled():
+    rows = [{"S": S, "bytes": roofline.bytes_read(S, 192, 128, 2, 4, 16), "step_ms": ms, "eager_ms": ms * 1.1,
+             "graph_ms": ms} for S, ms in [(4096, 0.02), (16384, 0.05), (65536, 0.17)]]
+    assert not any(r["launch_bound"] for r in roofline.label(rows))
+
+
+def test_eager_much_slower_than_graph_is_labelled():
+    rows = [{"S": 4096, "bytes": 1, "step_ms": 0.5, "eager_ms": 0.5, "graph_ms": 0.1}]
+    r = roofline.label(rows)[0]
+    assert r["launch_bound"] and "eager/graph 5.0" in r["launch_bound_why"]
+    assert roofline.eager_graph_launch_bound(1.0, None) is None
