@@ -48,3 +48,18 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer):
         assert r["ok"], (br, r)
         want = CFG.expected_reads(t)[br]
         assert (reads[br] == want).all(), (br, reads[br].tolist(), want)
+
+
+@pytest.mark.parametrize("t", POSITIONS)
+def test_static_selection_equals_prefill_selection(t):
+    """select_blocks_at (static shapes, whole NaN-poisoned cache) == select_blocks at start = t."""
+    torch.manual_seed(t)
+    m = NSAAttention(CFG).to(DEV)
+    x = torch.randn(2, 100, CFG.d_model, device=DEV)
+    with torch.no_grad():
+        q, k, v = m._qkv(x[:, :t + 1])
+        cache = DecodeCache(CFG, 2, 100, device=DEV)
+        cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+        want = tb.select_blocks(q[:, t:t + 1], cache.k_cmp[:, :cache.n_cmp], CFG, start=t)[:, 0]
+        got = tb.select_blocks_at(q[:, t], cache.k_cmp, torch.full((2,), t, device=DEV), CFG, 100)
+    assert torch.equal(got, want)
