@@ -104,3 +104,18 @@ for _backend in ("auto", *fa2.BACKENDS):
     for _branch in ("cmp", "win"):
         routing.register("prefill", _branch, f"fa2:{_backend}", _fa2_prefill(_backend, _branch),
                          _fa2_unavailable(_backend, _branch))
+
+
+# -- decode step ------------------------------------------------------------------------------
+def decode_step(cfg: NSAConfig, q, cache, t: int):
+    """q [B, H, d_k] of token t (already appended to ``cache``) -> ({branch: o [B, H, d_v]},
+    {branch: reads [B, G]}, idx [B, G, n]) from the Triton decode kernel, selection included."""
+    from kernels import decode
+    from nsa_core import torch_branches as tb
+    pos = torch.full((q.shape[0],), t, dtype=torch.int32, device=q.device)
+    idx = tb.select_blocks_at(q, cache.k_cmp, pos, cfg, cache.k.shape[1])
+    outs, reads = decode.decode_step(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, idx, pos, cfg)
+    return outs, reads, idx
+
+
+routing.register("decode", "step", "triton", decode_step, triton_unavailable)

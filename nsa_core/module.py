@@ -162,6 +162,13 @@ class NSAAttention(nn.Module):
             cache.v_cmp[:, i:i + 1] = self.cmp_v(cache.v[:, span[0]:span[1]])
         g = self._gates(x, only)
         want = BRANCHES if only is None else (only,)
+        route = routing.decide(self.policy, "decode", "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
+        if route.backend != "torch":      # one fused step for the three branches (kernels/decode.py)
+            impl, _ = routing.lookup("decode", "step", route.backend)
+            outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
+            cache.reads = {br: reads[br] for br in want}
+            return self._mix(g, {br: outs[br][:, None] for br in want},
+                             q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
         parts, reads = {}, {}
         if "cmp" in want:

@@ -63,3 +63,28 @@ def test_static_selection_equals_prefill_selection(t):
         want = tb.select_blocks(q[:, t:t + 1], cache.k_cmp[:, :cache.n_cmp], CFG, start=t)[:, 0]
         got = tb.select_blocks_at(q[:, t], cache.k_cmp, torch.full((2,), t, device=DEV), CFG, 100)
     assert torch.equal(got, want)
+
+
+def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads():
+    """NSAAttention.decode routed to the kernel (profile decode_backend: triton): prefill 10 tokens,
+    decode the rest; every step's output equals oracle row t and its reads equal the formula."""
+    from nsa_core.routing import RoutingPolicy
+    torch.manual_seed(1)
+    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
+    x = torch.randn(2, 90, CFG.d_model, device=DEV)
+    P = 10
+    cache = DecodeCache(CFG, 2, 90, device=DEV)
+    steps, idx = [], []
+    with torch.no_grad(), routing.capture() as log:
+        m(x[:, :P], cache=cache)
+        for t in range(P, 90):
+            steps.append(m.decode(x[:, t:t + 1], cache))
+            idx.append(cache.idx)
+            want = CFG.expected_reads(t)
+            for br in ("cmp", "sel", "win"):
+                assert (cache.reads[br] == want[br]).all(), (t, br, cache.reads[br].tolist(), want[br])
+    assert all(log.ran("decode", br, "triton") == 90 - P for br in ("cmp", "sel", "win"))
+    full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)
+    ref = reference.forward(m, x, idx=full_idx)["out"][:, P:]
+    r = compare(torch.cat(steps, 1), ref, None, dtype=torch.float32)
+    assert r["ok"], r
