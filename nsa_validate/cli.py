@@ -127,7 +127,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
                          f"see its report)")
     prof = profiles.load(res["manifest"]["profile"])
     shipped = Path(prof.source)
-    stamp = rundir.utc_now().replace("-", "").replace(":", "").replace("+0000", "Z")
+    stamp = rundir.utc_stamp()
     gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
     header = (f"# Suggested by `nsa-validate profile suggest` from run {run_dir.name} "
               f"({gpu.get('name', 'unknown GPU')}, {res['manifest'].get('started')}):\n"

@@ -47,7 +47,7 @@ def check_out(out: str | None) -> Path:
 
 
 def create(root: Path, git: dict) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = utc_stamp()
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
     parent = root / (git["short"] + ("-dirty" if git["dirty"] else ""))
     parent.mkdir(parents=True, exist_ok=True)
@@ -65,3 +65,8 @@ def create(root: Path, git: dict) -> Path:
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def utc_stamp() -> str:
+    """The current UTC time for file names: 20261121T213324Z."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
