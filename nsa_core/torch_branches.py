@@ -129,7 +129,7 @@ def select_blocks_at(q, k_cmp, pos, cfg: NSAConfig, max_len: int) -> torch.Tenso
     jj = torch.arange(cfg.n_blocks(max_len), device=q.device)
     first, last = (i * cfg.cmp_stride) // cfg.block_size, (i * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size
     span_to_block = ((jj[None, :] >= first[:, None]) & (jj[None, :] <= last[:, None])).float()
-    scores = torch.nan_to_num(p).sum(dim=2) @ span_to_block                              # [B, G, NB]
+    scores = p.sum(dim=2) @ span_to_block                                             # [B, G, NB]
     return topn_blocks(scores[None], pos.long(), cfg)[0]
 
 
