@@ -12,6 +12,7 @@ import torch
 from packaging.version import Version
 
 from nsa_core import routing
+from nsa_core import torch_branches as tb
 from nsa_core.config import NSAConfig
 from kernels import fa2
 
@@ -20,10 +21,11 @@ INTERPRETER_MIN = (3, 9)     # oldest triton whose interpreter we ran the kernel
 try:
     import triton
 
-    from kernels import selection
+    from kernels import decode, selection
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
-    selection, _TRITON_MISSING = None, f"triton does not import ({e})"
+    decode = selection = None
+    _TRITON_MISSING = f"triton does not import ({e})"
 
 
 def interpreting() -> bool:
@@ -45,8 +47,10 @@ def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **
                     f"working on 3.9.0)")
         if dtype == torch.bfloat16:
             return "bf16 under the Triton interpreter gives wrong results (fp32/fp16 only)"
-    if dev is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
-        return f"GPU sm{''.join(map(str, torch.cuda.get_device_capability(dev)))} is older than sm80"
+    if dev is not None and dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < (8, 0):
+            return f"GPU sm{cap[0]}{cap[1]} is older than sm80"
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype} is not supported (fp16/bf16/fp32)"
     if cfg is not None and cfg.block_size & (cfg.block_size - 1):
@@ -87,7 +91,7 @@ def _fa2_prefill(backend: str, branch: str):
         b = fa2.resolve(backend)
         qp = q.reshape(B * S, H, -1)
         if branch == "win":
-            cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+            cu = _batch_cu(B, S, q.device)
             o = fa2.window_attention(qp, t["k"].reshape(B * S, cfg.n_kv_heads, -1),
                                      t["v"].reshape(B * S, cfg.n_kv_heads, -1), cu, S, cfg.window, b, cfg.scale)
         else:
@@ -110,8 +114,6 @@ for _backend in ("auto", *fa2.BACKENDS):
 def decode_step(cfg: NSAConfig, q, cache, t: int):
     """q [B, H, d_k] of token t (already appended to ``cache``) -> ({branch: o [B, H, d_v]},
     {branch: reads [B, G]}, idx [B, G, n]) from the Triton decode kernel, selection included."""
-    from kernels import decode
-    from nsa_core import torch_branches as tb
     pos = torch.full((q.shape[0],), t, dtype=torch.int32, device=q.device)
     idx = tb.select_blocks_at(q, cache.k_cmp, pos, cfg, cache.k.shape[1])
     outs, reads = decode.decode_step(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, idx, pos, cfg)
