@@ -43,6 +43,12 @@ def _varlen_func():
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=1)
+def _varlen_params() -> frozenset:
+    """The keyword names this torch's varlen_attn takes (its API grew between releases)."""
+    return frozenset(inspect.signature(_varlen_func()).parameters)
+
+
 def unavailable(backend: str, device=None, dtype=None, d_k: int | None = None, d_v: int | None = None,
                 window: bool = False, **_) -> str | None:
     """Why ``backend`` cannot run this query (None: it can)."""
@@ -70,10 +76,10 @@ def unavailable(backend: str, device=None, dtype=None, d_k: int | None = None, d
             return f"flash-attn does not import: {str(e).splitlines()[0][:200]}"
     else:
         try:
-            fn = _varlen_func()
+            params = _varlen_params()
         except ImportError:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
-        if window and "window_size" not in inspect.signature(fn).parameters:
+        if window and "window_size" not in params:
             return f"torch {torch.__version__} varlen_attn has no window_size (sliding window unsupported)"
     return None
 
@@ -90,8 +96,7 @@ def _call(backend, q, k, v, cu_q, cu_k, max_q, max_k, scale, left: int):
         o = _flash_attn_func()(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True,
                                window_size=(left, 0))
     else:
-        fn = _varlen_func()
-        params = inspect.signature(fn).parameters
+        params = _varlen_params()
         if "window_size" in params:
             kw = {"scale": scale, "window_size": (left, 0)}
         elif left == -1 and "is_causal" in params:     # an older varlen_attn: causal flag only
@@ -103,7 +108,7 @@ def _call(backend, q, k, v, cu_q, cu_k, max_q, max_k, scale, left: int):
                 kw["enable_gqa"] = True
             else:       # older torch: share KV heads by replication
                 k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        o = fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        o = _varlen_func()(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
     return o[..., :d_v]
 
 
@@ -130,15 +135,14 @@ def compressed_layout(lens: tuple[int, ...], cfg: NSAConfig, device) -> dict:
     ``lens``; built once per batch shape, outside any timed region.
 
     Returns q_index [Tq'] (packed query row of each mapped query), k_index [Tk'] (packed
-    compressed-token row of each mapped key), cu_q / cu_k [B·d + 1] int32, max_q, max_k, and
-    zero_rows [*] (query rows with no compressed token)."""
+    compressed-token row of each mapped key; as many as queries, since every mapped sequence has
+    Sq = Sk), cu [B·d + 1] int32 (the same for queries and keys) and max_len. Query rows left out
+    (t < l−1) see no compressed token."""
     l, d = cfg.cmp_len, cfg.cmp_stride
-    q_idx, k_idx, cu, zero = [], [], [0], []
+    q_idx, k_idx, cu = [], [], [0]
     q0 = c0 = 0
-    max_q = 0
+    max_len = 0
     for S in lens:
-        n_b = cfg.n_cmp_total(S)
-        zero.extend(range(q0, q0 + min(S, l - 1)))
         for r in range(d):
             ts = list(range(l - 1 + r, S, d))
             if not ts:
@@ -146,13 +150,12 @@ def compressed_layout(lens: tuple[int, ...], cfg: NSAConfig, device) -> dict:
             q_idx.extend(q0 + t for t in ts)
             k_idx.extend(range(c0, c0 + len(ts)))        # the first len(ts) <= n_b compressed tokens
             cu.append(cu[-1] + len(ts))
-            max_q = max(max_q, len(ts))
+            max_len = max(max_len, len(ts))
         q0 += S
-        c0 += n_b
+        c0 += cfg.n_cmp_total(S)
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-    return {"q_index": as_t(q_idx), "k_index": as_t(k_idx), "cu_q": cu_t, "cu_k": cu_t,
-            "max_q": max_q, "max_k": max_q, "zero_rows": as_t(zero), "n_rows": q0}
+    return {"q_index": as_t(q_idx), "k_index": as_t(k_idx),
+            "cu": torch.tensor(cu, dtype=torch.int32, device=device), "max_len": max_len}
 
 
 def compressed_attention(q, k_cmp, v_cmp, layout: dict, backend: str, scale: float | None = None):
@@ -162,15 +165,18 @@ def compressed_attention(q, k_cmp, v_cmp, layout: dict, backend: str, scale: flo
     out = q.new_zeros(q.shape[0], q.shape[1], v_cmp.shape[-1])
     if layout["q_index"].numel():
         o = _call(backend, q.index_select(0, layout["q_index"]), k_cmp.index_select(0, layout["k_index"]),
-                  v_cmp.index_select(0, layout["k_index"]), layout["cu_q"], layout["cu_k"],
-                  layout["max_q"], layout["max_k"], scale, -1)
+                  v_cmp.index_select(0, layout["k_index"]), layout["cu"], layout["cu"],
+                  layout["max_len"], layout["max_len"], scale, -1)
         out = out.index_copy(0, layout["q_index"], o)
     routing.note("kernel", "cmp", f"fa2:{backend}")
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def resolve(backend: str) -> str | None:
-    """'auto' -> the first usable backend (flash_attn, then varlen); a named one as is."""
+    """'auto' -> the first usable backend (flash_attn, then varlen); a named one as is. Cached:
+    what is installed and which GPU this is do not change within a process, and the module asks
+    on every forward."""
     if backend != "auto":
         return backend
     for b in BACKENDS:
