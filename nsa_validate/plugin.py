@@ -85,6 +85,15 @@ class SuiteExtra:
             (self.dir / "extra.json").write_text(json.dumps(self.data, indent=1, default=str))
 
 
+def profile_cases(params: list, suite: str, field: str, n_args: int) -> list:
+    """The parametrized cases, or one skipped case naming the profile field that left them out
+    (a size the profile does not set is reported, never silently missing)."""
+    if params:
+        return params
+    why = f"profile '{context.current().profile.name}' sets no sizes for this case (suites.{suite}.{field})"
+    return [pytest.param(*([None] * n_args), id="not-in-profile", marks=pytest.mark.skip(reason=why))]
+
+
 _RECORDERS: dict[str, Recorder] = {}
 _STATE: dict[str, dict] = {}
 

@@ -18,7 +18,9 @@ from nsa_core.config import NSAConfig
 from nsa_core.routing import RoutingPolicy
 from nsa_validate import thresholds, timing
 from nsa_validate.context import current
+from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
+from suites.varlen import cu_seqlens, oracle_attention
 
 CTX = current()
 CFG = CTX.profile.suites.fa2
@@ -26,7 +28,6 @@ DEV = CTX.device
 BACKENDS = ("flash_attn", "varlen")
 NSA = NSAConfig(d_model=128, n_kv_heads=2, heads_per_group=4, d_k=128, d_v=128)   # l=32, d=16, w=512
 MIXED = [1, NSA.cmp_len - 1, 100, 777, 1500]          # includes 1 and l-1 tokens
-CHUNK = 256
 
 
 def _require(backend, dtype, cfg=NSA, window=False):
@@ -37,28 +38,14 @@ def _require(backend, dtype, cfg=NSA, window=False):
     return fa2
 
 
-def _cu(lens):
-    return torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
-
-
 def _rand(*shape, dtype, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     return torch.randn(*shape, device=DEV, generator=g).to(dtype)
 
 
-def _oracle(q, k, v, lens_q, lens_k, mask_fn, dtype, cfg=NSA):
+def _oracle(q, k, v, lens_q, lens_k, mask_fn, dtype):
     """Per sequence, masked attention in ``dtype``: mask_fn(positions [c], n_keys) -> [c, n_keys]."""
-    G, h = k.shape[1], q.shape[1] // k.shape[1]
-    out, q0, k0 = [], 0, 0
-    for Sq, Sk in zip(lens_q, lens_k):
-        kk, vv = k[k0:k0 + Sk].to(dtype)[None], v[k0:k0 + Sk].to(dtype)[None]
-        for c in range(0, Sq, CHUNK):
-            pos = torch.arange(c, min(Sq, c + CHUNK), device=DEV)
-            m = mask_fn(pos, Sk)[None, :, None, :]
-            qc = q[q0 + c:q0 + c + len(pos)].to(dtype).view(1, len(pos), G, h, -1)
-            out.append(reference.masked_attention(qc, kk, vv, m, q.shape[-1] ** -0.5).reshape(len(pos), G * h, -1))
-        q0, k0 = q0 + Sq, k0 + Sk
-    return torch.cat(out)
+    return oracle_attention(q, k, v, lens_q, lens_k, lambda rc, pos, n: mask_fn(pos, n)[None, :, None, :], dtype)
 
 
 def _check(record, name, out, q, k, v, lens_q, lens_k, mask_fn, dtype):
@@ -79,7 +66,7 @@ def test_causal_varlen(backend, dt, record):
     T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
     q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=i) for i, n in enumerate((H, G, G)))
     with routing.capture() as log:
-        o = fa2.causal_attention(q, k, v, _cu(MIXED), max(MIXED), backend)
+        o = fa2.causal_attention(q, k, v, cu_seqlens(MIXED, DEV), max(MIXED), backend)
     record.expect_ran(log, "kernel", "causal", f"fa2:{backend}")
     causal = lambda pos, n: torch.arange(n, device=DEV)[None, :] <= pos[:, None]  # noqa: E731
     _check(record, "o", o, q, k, v, MIXED, MIXED, causal, dtype)
@@ -92,7 +79,7 @@ def test_window_branch(backend, dt, record):
     T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
     q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=10 + i) for i, n in enumerate((H, G, G)))
     with routing.capture() as log:
-        o = fa2.window_attention(q, k, v, _cu(MIXED), max(MIXED), NSA.window, backend)
+        o = fa2.window_attention(q, k, v, cu_seqlens(MIXED, DEV), max(MIXED), NSA.window, backend)
     record.expect_ran(log, "kernel", "win", f"fa2:{backend}")
     _check(record, "o", o, q, k, v, MIXED, MIXED, lambda pos, n: reference.window_mask(NSA, pos, n), dtype)
 
@@ -149,9 +136,8 @@ def _sdpa(q, k, v, mask):
                                           vv.transpose(0, 1)[None], attn_mask=mask)
 
 
-BENCH_CASES = [pytest.param(br, S, id=f"{br}-S{S}") for br in ("cmp", "win") for S in CFG.bench_seq_lens] or \
-    [pytest.param(None, None, id="not-in-profile", marks=pytest.mark.skip(
-        reason=f"profile '{CTX.profile.name}' sets no bench lengths (suites.fa2.bench_seq_lens)"))]
+BENCH_CASES = profile_cases([pytest.param(br, S, id=f"{br}-S{S}") for br in ("cmp", "win") for S in CFG.bench_seq_lens],
+                            "fa2", "bench_seq_lens", 2)
 
 
 @pytest.mark.parametrize("branch,S", BENCH_CASES)
@@ -165,7 +151,7 @@ def test_bench(branch, S, record, extra):
     G, H, d = BENCH["G"], BENCH["H"], BENCH["d"]
     cfg = NSAConfig(n_kv_heads=G, heads_per_group=H // G, d_k=d, d_v=d)
     q = _rand(S, H, d, dtype=dtype, seed=S)
-    cu = _cu([S])
+    cu = cu_seqlens([S], DEV)
     pos = torch.arange(S, device=DEV)
     if branch == "win":
         k, v = _rand(S, G, d, dtype=dtype, seed=S + 1), _rand(S, G, d, dtype=dtype, seed=S + 2)

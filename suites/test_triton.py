@@ -21,7 +21,9 @@ from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import RoutingPolicy
 from nsa_validate import timing
 from nsa_validate.context import current
+from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
+from suites.varlen import cu_seqlens, oracle_attention
 
 # Under the Triton interpreter a kernel lane that reads memory it does not own (NaN poison, or past
 # a tensor's end) shows up as a numpy RuntimeWarning even when the value is masked away later:
@@ -31,25 +33,15 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 CTX = current()
 CFG = CTX.profile.suites.triton
 DEV = CTX.device
-ORACLE_CHUNK = 256
-
-
-def _kernels():
-    """The kernel module, or skip the case with the reason it cannot run here."""
-    from kernels import routes
-    return routes
 
 
 def _require(dtype):
-    routes = _kernels()
+    """The kernel module, or skip the case with the reason it cannot run here."""
+    from kernels import routes
     why = routes.triton_unavailable(device=DEV, dtype=dtype)
     if why:
         pytest.skip(f"Triton kernel cannot run here: {why}")
     return routes.selection
-
-
-def _cu(lens):
-    return torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
 
 
 def _qkv(T, G, h, dk, dv, dtype, seed, grad=False):
@@ -70,25 +62,11 @@ def _block_idx(lens, G, block_size, n, seed) -> torch.Tensor:
 
 
 def _oracle(q, k, v, idx, lens, block_size, dtype, rows=None):
-    """Selection attention by the oracle in ``dtype``: o [T or len(rows), H, d_v] (differentiable).
-    With ``rows`` (sorted global token indices) only those query rows are computed, and q holds
-    just those rows ([len(rows), H, d_k])."""
-    G, dk = k.shape[1], k.shape[2]
-    h = q.shape[1] // G
-    cfg = tiny(block_size=block_size, n_selected=idx.shape[-1], n_kv_heads=G)
-    out, s0 = [], 0
-    for S in lens:
-        if S:
-            r = torch.arange(s0, s0 + S, device=DEV) if rows is None else rows[(rows >= s0) & (rows < s0 + S)]
-            kk, vv = k[s0:s0 + S].to(dtype)[None], v[s0:s0 + S].to(dtype)[None]
-            for c in range(0, len(r), ORACLE_CHUNK):
-                rc = r[c:c + ORACLE_CHUNK]
-                qc = q[rc] if rows is None else q[torch.searchsorted(rows, rc)]
-                mask = reference.selection_mask(cfg, idx[rc].long()[None], rc - s0, S)
-                o = reference.masked_attention(qc.to(dtype).view(1, len(rc), G, h, dk), kk, vv, mask, dk ** -0.5)
-                out.append(o.reshape(len(rc), G * h, -1))
-        s0 += S
-    return torch.cat(out) if out else q.new_zeros(0, q.shape[1], v.shape[2], dtype=dtype)
+    """Selection attention by the oracle in ``dtype`` (``suites.varlen.oracle_attention`` over
+    ``reference.selection_mask`` with the same block indices): o [T or len(rows), H, d_v]."""
+    cfg = tiny(block_size=block_size, n_selected=idx.shape[-1], n_kv_heads=k.shape[1])
+    return oracle_attention(q, k, v, lens, lens, lambda rc, pos, S: reference.selection_mask(
+        cfg, idx[rc].long()[None], pos, S), dtype, rows)
 
 
 def _oracle_grads(q, k, v, idx, lens, block_size, do, dtype, rows=None):
@@ -98,14 +76,6 @@ def _oracle_grads(q, k, v, idx, lens, block_size, do, dtype, rows=None):
     o = _oracle(*leaves, idx, lens, block_size, dtype, rows)
     grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
     return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
-
-
-def _or_skip(params: list, field: str, n_args: int) -> list:
-    """The cases, or one skipped case saying which profile field left them out (never silent)."""
-    if params:
-        return params
-    why = f"profile '{CTX.profile.name}' sets no sizes for this case (suites.triton.{field})"
-    return [pytest.param(*([None] * n_args), id="not-in-profile", marks=pytest.mark.skip(reason=why))]
 
 
 def _lp(dtype):
@@ -171,7 +141,7 @@ def test_varlen(dt, record):
     idx = _block_idx(lens, G, L, n, seed=7)
     do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
     with routing.capture() as log:
-        o = sel.selection_attention(q, k, v, idx, L, _cu(lens))
+        o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV))
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
     record.expect_ran(log, "kernel", "sel_bwd", "triton")
@@ -199,7 +169,7 @@ def test_nan_poisoned_buffers(dt, record):
     do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
     out, lse = nan(T, G * h, dv), torch.full((T, G * h), float("nan"), device=DEV)
     dq, dk_, dv_ = nan(T, G * h, dk), nan(T, G, dk), nan(T, G, dv)
-    cu = _cu(lens)
+    cu = cu_seqlens(lens, DEV)
     with routing.capture() as log:
         sel.selection_attention_fwd(q, k, v, idx, L, cu, out=out, lse=lse)
         sel.selection_attention_bwd(do, q, k, v, out, lse, idx, L, cu, dq=dq, dk=dk_, dv=dv_)
@@ -238,8 +208,8 @@ def test_deterministic(dt, record):
         assert same, f"{name} differs between reruns"
 
 
-LONG = _or_skip([pytest.param(dt, S, id=f"{dt}-3x{S}-G4-h16-dk192-dv128")
-                 for dt in CFG.dtypes for S in CFG.long_seq_lens], "long_seq_lens", 2)
+LONG = profile_cases([pytest.param(dt, S, id=f"{dt}-3x{S}-G4-h16-dk192-dv128")
+                 for dt in CFG.dtypes for S in CFG.long_seq_lens], "triton", "long_seq_lens", 2)
 
 
 @pytest.mark.parametrize("dt,S", LONG)
@@ -261,7 +231,7 @@ def test_long_varlen_sampled_rows(dt, S, record):
     do = torch.zeros(T, G * h, dv, device=DEV, dtype=dtype)
     do[rows] = torch.randn(len(rows), G * h, dv, device=DEV).to(dtype)
     with routing.capture() as log:
-        o = sel.selection_attention(q, k, v, idx, L, _cu(lens), max_seqlen=S)
+        o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV), max_seqlen=S)
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
     record.expect_ran(log, "kernel", "sel_bwd", "triton")
@@ -348,8 +318,8 @@ def test_module_fwd_bwd(dt, S, record):
     record.assert_ok()
 
 
-PREFILL = _or_skip([pytest.param(CFG.prefill_paper_len, id=f"bf16-B1-S{CFG.prefill_paper_len}-G4-h16-dk192-dv128")]
-                   if CFG.prefill_paper_len else [], "prefill_paper_len", 1)
+PREFILL = profile_cases([pytest.param(CFG.prefill_paper_len, id=f"bf16-B1-S{CFG.prefill_paper_len}-G4-h16-dk192-dv128")]
+                   if CFG.prefill_paper_len else [], "triton", "prefill_paper_len", 1)
 
 
 @pytest.mark.parametrize("S", PREFILL)
@@ -388,8 +358,8 @@ def _ms(t):
     return f"{t.median_ms:.3f} [{t.p20_ms:.3f}-{t.p80_ms:.3f}]"
 
 
-@pytest.mark.parametrize("S", _or_skip([pytest.param(S, id=f"S{S}") for S in CFG.bench_seq_lens],
-                                       "bench_seq_lens", 1))
+@pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.bench_seq_lens],
+                                       "triton", "bench_seq_lens", 1))
 def test_bench(S, record, extra):
     dtype = torch.bfloat16
     sel = _require(dtype)
