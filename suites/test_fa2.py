@@ -187,7 +187,7 @@ def test_recommendation(record, extra):
     """SPEC §6 rule over the bench above, per branch and backend; the profile suggestion."""
     if not any(SPEEDUPS[br] for br in SPEEDUPS):
         pytest.skip("no FA-2 bench ran here (see the bench cases' reasons)")
-    suggest = {"fa2_backend": "auto"}
+    suggest, chosen = {}, set()
     for br in ("cmp", "win"):
         per_backend = {b: thresholds.recommend(sp, CFG.margin) for b, sp in SPEEDUPS[br].items()}
         for b, thr in per_backend.items():
@@ -195,12 +195,9 @@ def test_recommendation(record, extra):
                 "branch": br, "backend": b, "margin": CFG.margin,
                 "recommended fa2_min_len": thr if thr is not None else "disable",
                 "speedups": ", ".join(f"{S}: {x:.2f}x" for S, x in sorted(SPEEDUPS[br][b].items()))})
-        backend, thr = thresholds.pick_backend(per_backend)
-        suggest[f"fa2_min_len_{br}"] = thr
-        if backend:
-            suggest.setdefault("_backends", {})[br] = backend
-    backends = set(suggest.pop("_backends", {}).values())
-    if len(backends) == 1:
-        suggest["fa2_backend"] = backends.pop()
+        backend, suggest[f"fa2_min_len_{br}"] = thresholds.pick_backend(per_backend)
+        chosen |= {backend} - {None}
+    # one backend for every branch that uses FA-2, else let the module pick per machine
+    suggest = {"fa2_backend": chosen.pop() if len(chosen) == 1 else "auto", **suggest}
     extra.set("suggest", suggest)
     record.metrics["suggest"] = suggest
