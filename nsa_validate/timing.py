@@ -80,13 +80,15 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
           graph: bool = False, telemetry: bool = True) -> Timing:
     """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps])
     after the warmup calls. ``graph``: time replays of a CUDA graph of fn (GPU only)."""
+    def n_reps(est_ms: float) -> int:
+        return reps or max(min_reps, min(max_reps, int(budget_ms / max(est_ms, 1e-3))))
+
     if device != "cuda":
         for _ in range(warmup):
             fn()
         t0 = time.perf_counter()
         fn()
-        est = (time.perf_counter() - t0) * 1e3
-        n = reps or max(min_reps, min(max_reps, int(budget_ms / max(est, 1e-3))))
+        n = n_reps((time.perf_counter() - t0) * 1e3)
         samples = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -105,8 +107,7 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
     run()
     e1.record()
     torch.cuda.synchronize()
-    est = e0.elapsed_time(e1)
-    n = reps or max(min_reps, min(max_reps, int(budget_ms / max(est, 1e-3))))
+    n = n_reps(e0.elapsed_time(e1))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
