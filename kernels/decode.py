@@ -1,19 +1,35 @@
-"""Triton NSA decode step: all three branches, all h heads of a KV group, split over the context.
+"""Triton NSA decode step: selection for the new token, then all three branches for all h heads
+of a KV group, split over the context (flash-decoding style), with no host synchronisation.
 
-One program per (batch row · KV head, chunk). The chunks of a step are laid out statically:
-``C_CMP`` chunks over the compressed cache (tokens 0 .. n_cmp(t)−1), ``C_WIN`` chunks over the
-window (positions max(0, t−w+1) .. t) and one chunk per selection slot (block j, positions
-j·l' .. min(j·l'+l', t+1)−1). Each program loads only those tokens (masked loads: a token outside
-its range is never read), computes an unnormalised partial softmax for the h query heads and
-counts the tokens it used; ``decode_step`` merges the partials of each branch (log-sum-exp) and
-sums the counts into the measured reads of SPEC §3. Shapes never depend on t (the position is a
-device tensor), nothing syncs with the host, so a step can be captured in a CUDA graph.
+A step is four launches over preallocated buffers, so it can be captured in a CUDA graph (the
+position is a device tensor; no shape depends on it):
 
-Layouts: q [B, H, d_k] (the new token); k/v cache [B, Tmax, G, d]; k_cmp/v_cmp [B, Nmax, G, d];
-idx [B, G, n] (selection blocks of this step, -1 unused); pos [B] int32 (t, the new token's
-position, already written to the cache).
+1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
+   compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
+   partial (max, sum, acc). For selection it also writes the group's logits q·k_cmp (log2 units).
+2. ``_select_kernel``: one program per (batch row · KV head). It merges the compressed partials into
+   each head's softmax max and normaliser, turns the logits into p_cmp, sums them into
+   selection-block scores (a compressed token adds to every block its span overlaps, summed over
+   the h heads), and takes the top n (block 0 and the two local blocks forced; ties to the lower
+   index), written ascending and −1 padded: exactly SPEC §3.
+3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
+   (positions j·l' .. min(j·l'+l', t+1)−1).
+4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
+   gate-weighted mix when a gate is given, and the tokens each branch's programs loaded.
+
+Every program loads only the tokens SPEC §3 counts (masked loads: a token outside its range is
+never read) and counts them; those counts are the measured reads of the ``counters`` suite.
+``branches=`` runs only the work of the named branches (selection belongs to ``sel``), so each
+branch can be timed alone.
+
+Layouts: q [B, H, d_k] (the new token, H = G·h, head g·h + j in group g); raw cache k/v
+[B, T_max, G, d_k|d_v]; compressed cache k_cmp/v_cmp [B, N_max, G, d_k|d_v]; pos [B] int32 =
+t, the new token's position (its k/v already in the cache). Entries past t (or past n_cmp(t)) may
+hold anything, NaN included: they are never read.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,101 +39,357 @@ from nsa_core import routing
 from nsa_core.config import NSAConfig
 
 LOG2E = 1.4426950408889634
+BRANCHES = ("cmp", "sel", "win")
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT,
-                   sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
-                   scale_log2,
-                   G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, C_CMP: tl.constexpr, C_WIN: tl.constexpr,
-                   N_CHUNKS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+          DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) [BH], [BH], [BH, BDV] with one tile of keys.
+    kp/vp [BN] row pointers; valid [BN]. Returns the new state and the tile's logits [BH, BN]."""
+    k = tl.load(kp[:, None] + offs_dk[None, :], mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # no key yet: keep exp2 finite
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if WANT_V:
+        v = tl.load(vp[:, None] + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc, s
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
+                    sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
+                    scale_log2, c_lo,
+                    G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr,
+                    C_CMP: tl.constexpr, C_WIN: tl.constexpr, NC: tl.constexpr,
+                    CMP_TILES: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
+                    NMAX_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_LOGITS: tl.constexpr):
     bg = tl.program_id(0)
-    c = tl.program_id(1)
+    c = tl.program_id(1) + c_lo
     b = bg // G
     g = bg % G
     t = tl.load(POS + b)
     rows = tl.arange(0, BH)
-    row_ok = rows < H_PER_G
     offs_n = tl.arange(0, BN)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
     q = tl.load(Q + b * sqb + (g * H_PER_G + rows)[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+                mask=(rows[:, None] < H_PER_G) & (offs_dk[None, :] < DK), other=0.0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BDV], tl.float32)
+    cnt = tl.zeros([], tl.int32)
     if c < C_CMP:
         # compressed token i is usable iff i·d + l − 1 <= t
         n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
-        kpos = c * BN + offs_n
-        valid = kpos < n_cmp
-        kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
-        vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
+        for ti in tl.static_range(CMP_TILES):
+            kpos = (c * CMP_TILES + ti) * BN + offs_n
+            valid = kpos < n_cmp
+            kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
+            vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
+            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                     DK, DV, PREC, WANT_V)
+            if WRITE_LOGITS:
+                tl.store(LOGIT + (bg * BH + rows)[:, None].to(tl.int64) * NMAX_P + kpos[None, :], s)
+            cnt += tl.sum(valid.to(tl.int32), 0)
     elif c < C_CMP + C_WIN:
         lo = tl.maximum(t - WINDOW + 1, 0)
-        kpos = lo + (c - C_CMP) * BN + offs_n
-        valid = kpos <= t
-        kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
-        vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+        for ti in tl.static_range(WIN_TILES):
+            kpos = lo + ((c - C_CMP) * WIN_TILES + ti) * BN + offs_n
+            valid = kpos <= t
+            kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
+            vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                     DK, DV, PREC, True)
+            cnt += tl.sum(valid.to(tl.int32), 0)
     else:
-        j = tl.load(IDX + b * sib + g * sig + (c - C_CMP - C_WIN))
-        kpos = j * BLOCK + offs_n
-        valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t)     # j = -1: an unused slot
-        kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
-        vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-    k = tl.load(kp[:, None] + offs_dk[None, :], mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    v = tl.load(vp[:, None] + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
-    m = tl.max(s, 1)
-    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    out = (bg * N_CHUNKS + c).to(tl.int64)
-    tl.store(PM + out * BH + rows, m)
-    tl.store(PL + out * BH + rows, tl.sum(p, 1))
-    tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :],
-             tl.dot(p.to(v.dtype), v, input_precision=PREC))
-    tl.store(PCNT + out, tl.sum(valid.to(tl.int32), 0))
+        for ti in tl.static_range(SEL_TILES):
+            slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
+            j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
+            kpos = j * BLOCK + offs_n
+            # j = −1 (an unused slot) <=> kpos < offs_n; slot >= n: past a ragged last chunk.
+            # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
+            valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
+            kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
+            vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                     DK, DV, PREC, True)
+            cnt += tl.sum(valid.to(tl.int32), 0)
+    out = (bg * NC + c).to(tl.int64)
+    tl.store(PM + out * BH + rows, m_i)
+    tl.store(PL + out * BH + rows, l_i)
+    if WANT_V:
+        tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :], acc)
+    tl.store(PCNT + out, cnt)
 
 
-def _merge(pm, pl, pacc):
-    """Log-sum-exp merge of chunk partials [BG, C, BH(, BDV)] -> [BG, BH, BDV] (0 with no key)."""
-    M = pm.amax(1, keepdim=True)
-    w = torch.exp2(pm - torch.where(torch.isinf(M), torch.zeros_like(M), M))     # m = -inf -> 0
-    L = (w * pl).sum(1)
-    return (w[..., None] * pacc).sum(1) / torch.where(L == 0, torch.ones_like(L), L)[..., None]
+@triton.jit
+def _select_kernel(PM, PL, LOGIT, POS, IDX, sib, sig,
+                   G: tl.constexpr, H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr,
+                   CP: tl.constexpr, NC: tl.constexpr, NMAX_P: tl.constexpr, BLOCK: tl.constexpr,
+                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr,
+                   NBP: tl.constexpr, OV: tl.constexpr):
+    bg = tl.program_id(0)
+    b = bg // G
+    g = bg % G
+    t = tl.load(POS + b)
+    cur = t // BLOCK
+    n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
+    rows = tl.arange(0, BH)
+    # each head's softmax max M and normaliser L over all compressed tokens, from the chunk partials
+    ch = tl.arange(0, CP)
+    part = (bg * NC + ch)[:, None] * BH + rows[None, :]
+    pm = tl.load(PM + part, mask=ch[:, None] < C_CMP, other=float("-inf"))
+    pl = tl.load(PL + part, mask=ch[:, None] < C_CMP, other=0.0)
+    M = tl.max(pm, 0)
+    M = tl.where(M == float("-inf"), 0.0, M)
+    L = tl.sum(tl.exp2(pm - M[None, :]) * pl, 0)
+    inv_L = tl.where(L > 0, 1.0 / tl.where(L > 0, L, 1.0), 0.0)        # no compressed token: 0
+    # block j gets p of compressed tokens i with i·d < (j+1)·l' and i·d + l > j·l'
+    j = tl.arange(0, NBP)
+    first = j * BLOCK - CMP_LEN + 1
+    i_lo = tl.where(first > 0, (first + CMP_STRIDE - 1) // CMP_STRIDE, 0)
+    i_hi = ((j + 1) * BLOCK - 1) // CMP_STRIDE
+    score = tl.zeros([NBP], tl.float32)
+    for hh in tl.static_range(H_PER_G):
+        m_h = tl.sum(tl.where(rows == hh, M, 0.0), 0)
+        inv_h = tl.sum(tl.where(rows == hh, inv_L, 0.0), 0)
+        base = LOGIT + (bg * BH + hh).to(tl.int64) * NMAX_P
+        for o in tl.static_range(OV):
+            i = i_lo + o
+            ok = (i <= i_hi) & (i < n_cmp)
+            s = tl.load(base + i, mask=ok, other=float("-inf"))
+            score += tl.exp2(s - m_h) * inv_h
+    forced = (j == 0) | (j == cur) | (j == cur - 1)
+    key = tl.where(j <= cur, score, float("-inf"))
+    key = tl.where(forced & (j <= cur), float("inf"), key)
+    n_take = tl.minimum(cur + 1, N_SEL)
+    chosen = tl.zeros([NBP], tl.int32)
+    for it in tl.static_range(N_SEL):
+        a = tl.argmax(key, 0, tie_break_left=True)                   # ties: the lower block index
+        chosen = tl.where((j == a) & (it < n_take), 1, chosen)
+        key = tl.where(j == a, float("-inf"), key)
+    rank = tl.cumsum(chosen, 0) - 1                                  # ascending order of the set
+    dst = IDX + b * sib + g * sig
+    tl.store(dst + rank, j, mask=chosen != 0)
+    slots = tl.arange(0, NSP)
+    tl.store(dst + slots, tl.full([NSP], -1, tl.int32), mask=(slots >= n_take) & (slots < N_SEL))
 
 
-def decode_step(q, k, v, k_cmp, v_cmp, idx, pos, cfg: NSAConfig, phase: str = "decode"):
-    """One decode step's three branch outputs and measured reads.
+@triton.jit
+def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr,
+                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
+    """Log-sum-exp merge of chunks [lo, hi) of one (row · KV head) -> (o [BH, BDV], tokens read)."""
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BDV], tl.float32)
+    cnt = tl.zeros([], tl.int32)
+    for c in tl.range(lo, hi):
+        out = (bg * NC + c).to(tl.int64)
+        pm = tl.load(PM + out * BH + rows)
+        m_new = tl.maximum(m, pm)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m - m_safe)
+        w = tl.exp2(pm - m_safe)
+        l_i = l_i * a + tl.load(PL + out * BH + rows) * w
+        acc = acc * a[:, None] + tl.load(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :]) * w[:, None]
+        m = m_new
+        cnt += tl.load(PCNT + out)
+    return acc / tl.where(l_i == 0, 1.0, l_i)[:, None], cnt           # no key at all: exactly 0
 
-    Returns ({"cmp"|"sel"|"win": o [B, H, d_v] in q's dtype}, {"cmp"|"sel"|"win": reads [B, G]
-    int64 — tokens each KV head's program actually loaded and used}).
-    """
-    B, H, dk = q.shape
-    G, h, dv = cfg.n_kv_heads, cfg.heads_per_group, cfg.d_v
+
+@triton.jit
+def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
+                  G: tl.constexpr, H_PER_G: tl.constexpr, DV: tl.constexpr, C_CMP: tl.constexpr,
+                  C_WIN: tl.constexpr, NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr,
+                  DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr):
+    bg = tl.program_id(0)
+    b = bg // G
+    g = bg % G
+    rows = tl.arange(0, BH)
+    offs_dv = tl.arange(0, BDV)
+    H: tl.constexpr = G * H_PER_G
+    head = g * H_PER_G + rows
+    ok = (rows[:, None] < H_PER_G) & (offs_dv[None, :] < DV)
+    dst = (b * H + head)[:, None] * DV + offs_dv[None, :]
+    mix = tl.zeros([BH, BDV], tl.float32)
+    plane = B * H * DV                                               # OUT is [3, B, H, d_v]
+    if DO_CMP:
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, NC, BH, BDV)
+        tl.store(OUT + dst, o.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(READS + bg, cnt)
+        if HAS_GATE:
+            mix += tl.load(GATE + (b * H + head) * 3, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+    if DO_SEL:
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, NC, BH, BDV)
+        tl.store(OUT + plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(READS + B * G + bg, cnt)
+        if HAS_GATE:
+            mix += tl.load(GATE + (b * H + head) * 3 + 1, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+    if DO_WIN:
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, NC, BH, BDV)
+        tl.store(OUT + 2 * plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(READS + 2 * B * G + bg, cnt)
+        if HAS_GATE:
+            mix += tl.load(GATE + (b * H + head) * 3 + 2, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+    if HAS_GATE:
+        tl.store(MIX + dst, mix.to(MIX.dtype.element_ty), mask=ok)
+
+
+# -- launcher -----------------------------------------------------------------------------------
+def _tiles_per_chunk(tiles: int, programs_per_chunk: int, n_sm: int, cap: int = 8) -> int:
+    """Tiles one program walks (a power of two): about 4 programs per SM, and no more partials
+    to merge than that needs."""
+    want = max(1, tiles * programs_per_chunk // (4 * n_sm))
+    return min(1 << (want.bit_length() - 1), cap, triton.next_power_of_2(tiles))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static layout of a step: tile size, chunks per branch, padded sizes."""
+    B: int
+    G: int
+    h: int
+    d_k: int
+    d_v: int
+    n_max: int                 # compressed cache entries
+    BN: int
+    BH: int
+    BDK: int
+    BDV: int
+    cmp_tiles: int
+    win_tiles: int
+    sel_tiles: int
+    C_CMP: int
+    C_WIN: int
+    C_SEL: int
+
+    @property
+    def NC(self) -> int:
+        return self.C_CMP + self.C_WIN + self.C_SEL
+
+    @property
+    def nmax_p(self) -> int:
+        return self.C_CMP * self.cmp_tiles * self.BN
+
+
+def plan(cfg: NSAConfig, B: int, n_max: int, device) -> Plan:
+    G, h = cfg.n_kv_heads, cfg.heads_per_group
     BN = max(16, triton.next_power_of_2(cfg.block_size))
-    C_CMP = triton.cdiv(max(k_cmp.shape[1], 1), BN)
-    C_WIN = triton.cdiv(cfg.window, BN) + 1        # a window not aligned to BN spans one more tile
-    n = idx.shape[-1]
-    NC = C_CMP + C_WIN + n
-    BH, BDK, BDV = max(16, triton.next_power_of_2(h)), max(16, triton.next_power_of_2(dk)), \
-        max(16, triton.next_power_of_2(dv))
-    dev = q.device
-    pm = torch.empty(B * G, NC, BH, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(B * G, NC, BH, BDV, device=dev, dtype=torch.float32)
-    pcnt = torch.empty(B * G, NC, device=dev, dtype=torch.int32)
-    _decode_kernel[(B * G, NC)](
-        q, k, v, k_cmp, v_cmp, idx, pos, pm, pl, pacc, pcnt,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        idx.stride(0), idx.stride(1), cfg.scale * LOG2E,
-        G=G, H_PER_G=h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride,
-        C_CMP=C_CMP, C_WIN=C_WIN, N_CHUNKS=NC, DK=dk, DV=dv, BH=BH, BN=BN, BDK=BDK, BDV=BDV,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
-    spans = {"cmp": slice(0, C_CMP), "win": slice(C_CMP, C_CMP + C_WIN), "sel": slice(C_CMP + C_WIN, NC)}
-    outs, reads = {}, {}
-    for br, sl in spans.items():
-        o = _merge(pm[:, sl], pl[:, sl], pacc[:, sl])                            # [BG, BH, BDV]
-        outs[br] = o.view(B, G, BH, BDV)[:, :, :h, :dv].reshape(B, H, dv).to(q.dtype)
-        reads[br] = pcnt[:, sl].sum(1).view(B, G).long()
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 8
+    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BN), triton.cdiv(cfg.window, BN), cfg.n_selected
+    ct, wt, st = (_tiles_per_chunk(x, B * G, n_sm) for x in (cmp_t, win_t, sel_t))
+    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, BN, max(16, triton.next_power_of_2(h)),
+                max(16, triton.next_power_of_2(cfg.d_k)), max(16, triton.next_power_of_2(cfg.d_v)),
+                ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st))
+
+
+class Workspace:
+    """Every buffer a step writes, allocated once (a CUDA graph needs fixed pointers)."""
+
+    def __init__(self, p: Plan, dtype: torch.dtype, device) -> None:
+        BG = p.B * p.G
+        f32 = dict(device=device, dtype=torch.float32)
+        self.pm = torch.empty(BG, p.NC, p.BH, **f32)
+        self.pl = torch.empty(BG, p.NC, p.BH, **f32)
+        self.pacc = torch.empty(BG, p.NC, p.BH, p.BDV, **f32)
+        self.pcnt = torch.empty(BG, p.NC, device=device, dtype=torch.int32)
+        self.logits = torch.empty(BG, p.BH, p.nmax_p, **f32)
+        self.idx = torch.empty(p.B, p.G, 0, device=device, dtype=torch.int32)
+        self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
+        self.mix = torch.zeros(p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
+        self.reads = torch.zeros(3, p.B, p.G, device=device, dtype=torch.int32)
+
+
+@dataclass
+class StepOut:
+    out: dict[str, torch.Tensor]     # branch -> o [B, H, d_v] (views into the workspace)
+    reads: dict[str, torch.Tensor]   # branch -> tokens read [B, G] int32
+    idx: torch.Tensor | None         # [B, G, n] int32 blocks selected (None when sel did not run)
+    mixed: torch.Tensor | None       # [B, H, d_v]: Σ gate·o, when a gate was given
+
+
+def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRANCHES, gate=None,
+                     ws: Workspace | None = None, p: Plan | None = None, phase: str = "decode") -> StepOut:
+    """One decode step's attention for the new token of every batch row (see the module docstring).
+
+    q [B, H, d_k]; k/v [B, T_max, G, d]; k_cmp/v_cmp [B, N_max, G, d]; pos [B] int32 on the device;
+    gate [B, H, 3] (cmp, sel, win) or None. ``ws``/``p`` from ``plan``/``Workspace`` make the call
+    allocation-free (needed inside a CUDA graph); without them they are made here.
+    """
+    bad = set(branches) - set(BRANCHES)
+    if bad or not branches:
+        raise ValueError(f"branches must be a non-empty subset of {BRANCHES}, got {branches!r}")
+    B = q.shape[0]
+    p = p or plan(cfg, B, k_cmp.shape[1], q.device)
+    ws = ws or Workspace(p, q.dtype, q.device)
+    if ws.idx.shape[-1] != cfg.n_selected:
+        ws.idx = torch.empty(B, p.G, cfg.n_selected, device=q.device, dtype=torch.int32)
+    want = set(branches)
+    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
+                  CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
+                  CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, NMAX_P=p.nmax_p,
+                  DK=p.d_k, DV=p.d_v, BH=p.BH, BN=p.BN, BDK=p.BDK, BDV=p.BDV,
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.logits,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
+            v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
+    BG = B * p.G
+    if want & {"cmp", "sel"}:
+        _partial_kernel[(BG, p.C_CMP)](*args, 0, WANT_V="cmp" in want, WRITE_LOGITS="sel" in want, **common)
+    if "sel" in want:
+        ov = (cfg.block_size + cfg.cmp_len - 2) // cfg.cmp_stride + 1
+        _select_kernel[(BG,)](ws.pm, ws.pl, ws.logits, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1),
+                              G=p.G, H_PER_G=p.h, BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP),
+                              NC=p.NC, NMAX_P=p.nmax_p, BLOCK=cfg.block_size, CMP_LEN=cfg.cmp_len,
+                              CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected,
+                              NSP=triton.next_power_of_2(cfg.n_selected),
+                              NBP=triton.next_power_of_2(triton.cdiv(k.shape[1], cfg.block_size)), OV=ov,
+                              num_warps=8)
+    lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
+    hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
+    if want & {"win", "sel"}:
+        _partial_kernel[(BG, hi - lo)](*args, lo, WANT_V=True, WRITE_LOGITS=False, **common)
+    _merge_kernel[(BG,)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out, ws.mix,
+                         ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
+                         BH=p.BH, BDV=p.BDV, DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
+                         HAS_GATE=gate is not None, num_warps=4)
+    for br in branches:
         routing.note(phase, br, "triton")
-    return outs, reads
+    i = {br: BRANCHES.index(br) for br in branches}
+    return StepOut({br: ws.out[n] for br, n in i.items()}, {br: ws.reads[n] for br, n in i.items()},
+                   ws.idx if "sel" in want else None, ws.mix if gate is not None else None)
+
+
+class DecodeStep:
+    """A CUDA-graph-capturable decode step over a preallocated cache ``cache`` (nsa_core.DecodeCache):
+    write the new token's k/v at position pos, then ``decode_attention``. Buffers are allocated
+    here, once; a call allocates nothing and never syncs with the host.
+
+    call: q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v], pos [B] int32 (device), gate
+    [B, H, 3] or None -> StepOut. The compressed cache is updated by the caller when a span
+    completes (once every d steps; ``NSAAttention.decode`` does it)."""
+
+    def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES) -> None:
+        self.cfg, self.cache, self.branches = cfg, cache, tuple(branches)
+        B = cache.k.shape[0]
+        self.plan = plan(cfg, B, cache.k_cmp.shape[1], cache.k.device)
+        self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
+        self.rows = torch.arange(B, device=cache.k.device)
+
+    def __call__(self, q, k_new, v_new, pos, gate=None) -> StepOut:
+        c = self.cache
+        at = pos.long()
+        c.k[self.rows, at] = k_new
+        c.v[self.rows, at] = v_new
+        return decode_attention(q, c.k, c.v, c.k_cmp, c.v_cmp, pos, self.cfg, branches=self.branches,
+                                gate=gate, ws=self.ws, p=self.plan)

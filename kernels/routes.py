@@ -12,7 +12,6 @@ import torch
 from packaging.version import Version
 
 from nsa_core import routing
-from nsa_core import torch_branches as tb
 from nsa_core.config import NSAConfig
 from kernels import fa2
 
@@ -113,11 +112,10 @@ for _backend in ("auto", *fa2.BACKENDS):
 # -- decode step ------------------------------------------------------------------------------
 def decode_step(cfg: NSAConfig, q, cache, t: int):
     """q [B, H, d_k] of token t (already appended to ``cache``) -> ({branch: o [B, H, d_v]},
-    {branch: reads [B, G]}, idx [B, G, n]) from the Triton decode kernel, selection included."""
+    {branch: reads [B, G]}, idx [B, G, n]) from the Triton decode kernels, selection included."""
     pos = torch.full((q.shape[0],), t, dtype=torch.int32, device=q.device)
-    idx = tb.select_blocks_at(q, cache.k_cmp, pos, cfg, cache.k.shape[1])
-    outs, reads = decode.decode_step(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, idx, pos, cfg)
-    return outs, reads, idx
+    r = decode.decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, cfg)
+    return r.out, {br: x.long() for br, x in r.reads.items()}, r.idx.long()
 
 
 routing.register("decode", "step", "triton", decode_step, triton_unavailable)

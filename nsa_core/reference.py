@@ -135,6 +135,35 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: NSAConfig)
     return top.masked_fill(top == big, -1)
 
 
+# -- one decode row from a cache ---------------------------------------------------------------
+def decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+               t: int, cfg: NSAConfig, idx: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Row t of NSA attention for a decode step, from cache contents, computed in ``dtype``.
+
+    q [B, H, d_k] (token t); k/v [B, >t, G, d] (only positions 0..t are read); k_cmp/v_cmp
+    [B, >=n_cmp(t), G, d]. ``idx`` [B, G, n] overrides the selection (to compare attention given
+    the same blocks). Returns {"o_cmp"/"o_sel"/"o_win": [B, H, d_v], "idx": [B, G, n],
+    "scores": [B, G, NB]} — the same definitions as ``forward``, for one query row.
+    """
+    B, H, _ = q.shape
+    G, h = cfg.n_kv_heads, cfg.heads_per_group
+    S, N = t + 1, cfg.n_cmp(t)
+    qg = q.to(dtype).view(B, 1, G, h, -1)
+    k, v = k[:, :S].to(dtype), v[:, :S].to(dtype)
+    k_cmp, v_cmp = k_cmp[:, :N].to(dtype), v_cmp[:, :N].to(dtype)
+    pos = torch.tensor([t], device=q.device)
+    s = torch.einsum("bqghd,bkgd->bqghk", qg, k_cmp) * cfg.scale
+    p = torch.softmax(s, dim=-1) if N else s.new_zeros(s.shape)                # [B, 1, G, h, N]
+    o_cmp = torch.einsum("bqghk,bkgd->bqghd", p, v_cmp)
+    scores = block_scores(p.reshape(B, 1, H, N).float(), cfg, S)             # [B, 1, G, NB]
+    idx = select_blocks(scores, pos, cfg)[:, 0] if idx is None else idx
+    o_sel = masked_attention(qg, k, v, selection_mask(cfg, idx[:, None], pos, S), cfg.scale)
+    o_win = masked_attention(qg, k, v, window_mask(cfg, pos, S)[None, :, None, :], cfg.scale)
+    flat = {"o_cmp": o_cmp, "o_sel": o_sel, "o_win": o_win}
+    return {**{n: o.reshape(B, H, cfg.d_v) for n, o in flat.items()}, "idx": idx, "scores": scores[:, 0]}
+
+
 # -- the layer --------------------------------------------------------------------------
 def gates(x: torch.Tensor, w1, b1, w2, b2, cfg: NSAConfig) -> torch.Tensor:
     """g = sigmoid(MLP(x)) : [B, S, D] -> [B, S, H, 3] (order cmp, sel, win)."""

@@ -1,6 +1,7 @@
-"""The Triton decode step (kernels/decode.py) against the fp32 oracle's row t, and its measured
-reads against the SPEC §3 formula, at positions around every boundary (t < l, t < w, partial
-blocks, more causal blocks than n). Runs under the interpreter without a GPU."""
+"""The Triton decode step (kernels/decode.py) against the fp32 oracle's row t: its block selection
+equals the oracle's, each branch's output is within the tolerance rule, and its measured reads
+equal the SPEC §3 formula, at positions around every boundary (t < l, t < w, partial blocks,
+more causal blocks than n). Runs under the interpreter without a GPU."""
 import pytest
 import torch
 
@@ -25,44 +26,81 @@ def layer(request):
     return m, x, dtype
 
 
+def _cache_at(m, x, t, dtype):
+    """Cache holding tokens 0..t of x (NaN past them), and q of token t."""
+    q, k, v = m._qkv(x[:, :t + 1])
+    cache = DecodeCache(CFG, x.shape[0], x.shape[1], device=DEV, dtype=dtype)
+    cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+    return q[:, t], cache
+
+
 @pytest.mark.parametrize("t", POSITIONS)
 def test_decode_step_matches_oracle_row_and_reads_formula(t, layer):
-    from kernels.decode import decode_step
+    from kernels.decode import decode_attention
     m, x, dtype = layer
     with torch.no_grad():
-        q, k, v = m._qkv(x[:, :t + 1])
-        cache = DecodeCache(CFG, 2, 100, device=DEV, dtype=dtype)
-        cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
-        idx = tb.select_blocks(q[:, t:t + 1], cache.k_cmp[:, :cache.n_cmp], CFG, start=t)[:, 0]
+        q, cache = _cache_at(m, x, t, dtype)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        gate = torch.rand(2, CFG.n_heads, 3, device=DEV).to(dtype)
         with routing.capture() as log:
-            outs, reads = decode_step(q[:, t], cache.k, cache.v, cache.k_cmp, cache.v_cmp, idx, pos, CFG)
+            r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, gate=gate)
         assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
-        full_idx = m.select(x[:, :t + 1])
-        full_idx[:, t] = idx
-        ref = reference.forward(m, x[:, :t + 1], idx=full_idx)
-        ref_lp = None if dtype == torch.float32 else reference.forward(m, x[:, :t + 1], idx=full_idx, dtype=dtype)
+        ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
+        # the kernel selected from its own compressed logits: it must pick the oracle's blocks
+        assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
+        ref_lp = None if dtype == torch.float32 else \
+            reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
     for br in ("cmp", "sel", "win"):
-        lp = None if ref_lp is None else ref_lp[f"o_{br}"][:, t]
-        r = compare(outs[br], ref[f"o_{br}"][:, t], lp, dtype=dtype)
-        assert r["ok"], (br, r)
+        lp = None if ref_lp is None else ref_lp[f"o_{br}"]
+        res = compare(r.out[br], ref[f"o_{br}"], lp, dtype=dtype)
+        assert res["ok"], (br, res)
         want = CFG.expected_reads(t)[br]
-        assert (reads[br] == want).all(), (br, reads[br].tolist(), want)
+        assert (r.reads[br] == want).all(), (br, r.reads[br].tolist(), want)
+    mixed = sum(gate[..., i:i + 1].float() * ref[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))
+    mixed_lp = None if ref_lp is None else sum(gate[..., i:i + 1] * ref_lp[f"o_{br}"]
+                                               for i, br in enumerate(("cmp", "sel", "win")))
+    assert compare(r.mixed, mixed, mixed_lp, dtype=dtype)["ok"]
 
 
-@pytest.mark.parametrize("t", POSITIONS)
-def test_static_selection_equals_prefill_selection(t):
-    """select_blocks_at (static shapes, whole NaN-poisoned cache) == select_blocks at start = t."""
-    torch.manual_seed(t)
+@pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
+def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer):
+    """branches=(b,): the same output and reads as the full step, and only b noted as run."""
+    from kernels.decode import decode_attention
+    m, x, dtype = layer
+    t = 80
+    with torch.no_grad():
+        q, cache = _cache_at(m, x, t, dtype)
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        full = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG)
+        full_out, full_reads = full.out[branch].clone(), full.reads[branch].clone()
+        with routing.capture() as log:
+            one = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, branches=(branch,))
+    assert set(one.out) == {branch} and log.backends("decode") == {branch: ["triton"]}
+    assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
+
+
+def test_graph_step_writes_the_token_and_allocates_nothing():
+    """DecodeStep: writes k/v at pos into the cache, reuses its workspace (same output buffers every
+    call), and gives the oracle's row t after the append."""
+    from kernels.decode import DecodeStep
+    torch.manual_seed(3)
     m = NSAAttention(CFG).to(DEV)
     x = torch.randn(2, 100, CFG.d_model, device=DEV)
+    t = 63
     with torch.no_grad():
         q, k, v = m._qkv(x[:, :t + 1])
         cache = DecodeCache(CFG, 2, 100, device=DEV)
-        cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
-        want = tb.select_blocks(q[:, t:t + 1], cache.k_cmp[:, :cache.n_cmp], CFG, start=t)[:, 0]
-        got = tb.select_blocks_at(q[:, t], cache.k_cmp, torch.full((2,), t, device=DEV), CFG, 100)
-    assert torch.equal(got, want)
+        cache.write_prefill(k[:, :t], v[:, :t], m.cmp_k(k), m.cmp_v(v))      # token t not yet written
+        step = DecodeStep(CFG, cache)
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        r1 = step(q[:, t], k[:, t], v[:, t], pos)
+        ptr = r1.out["sel"].data_ptr()
+        r2 = step(q[:, t], k[:, t], v[:, t], pos)
+        assert r2.out["sel"].data_ptr() == ptr
+        assert torch.equal(cache.k[:, t], k[:, t]) and torch.equal(cache.v[:, t], v[:, t])
+        ref = reference.forward(m, x[:, :t + 1])
+    for br in ("cmp", "sel", "win"):
+        assert compare(r2.out[br], ref[f"o_{br}"][:, t], None, dtype=torch.float32)["ok"], br
 
 
 def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads():

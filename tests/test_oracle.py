@@ -113,3 +113,19 @@ def test_only_rejects_unknown_branch():
     with pytest.raises(ValueError):
         m(torch.randn(1, 4, cfg.d_model), only="dense")
     assert set(BRANCHES) == {"cmp", "sel", "win"}
+
+
+@pytest.mark.parametrize("t", [0, 30, 31, 47, 99])
+def test_decode_row_equals_the_prefill_oracle_row(t):
+    """reference.decode_row from cache contents == reference.forward's row t (same definitions)."""
+    torch.manual_seed(t)
+    cfg = tiny(block_size=16, n_selected=4, window=20)
+    m = NSAAttention(cfg)
+    x = torch.randn(2, t + 1, cfg.d_model)
+    with torch.no_grad():
+        full = reference.forward(m, x)
+        q, k, v = m._qkv(x)
+        row = reference.decode_row(q[:, t], k, v, m.cmp_k(k), m.cmp_v(v), t, cfg)
+    assert torch.equal(row["idx"], full["idx"][:, t])
+    for br in BRANCHES:
+        torch.testing.assert_close(row[f"o_{br}"], full[f"o_{br}"][:, t], rtol=1e-5, atol=1e-6)
