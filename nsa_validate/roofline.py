@@ -4,6 +4,8 @@ The seeds' decode bench reported ~5-6 ms per step, flat from 128 to 4096 tokens:
 and host syncs, not the GPU. Two independent signs expose that, and either labels a row
 ``launch_bound``: the eager step is much slower than its CUDA-graph replay (eager/graph > 1.5),
 or, along a context sweep, the bytes read grow several-fold while the step time barely moves.
+A row timed on the CPU (``timer == "cpu"``: no GPU, kernels in the Triton interpreter) is host time
+by construction and is labelled so as well.
 """
 from __future__ import annotations
 
@@ -39,11 +41,12 @@ def flat_curve(points: list[tuple[int, float]]) -> bool:
 
 def label(rows: list[dict], time_key: str = "step_ms", bytes_key: str = "bytes") -> list[dict]:
     """Set ``launch_bound`` and ``launch_bound_why`` on every row of one sweep (same B, same
-    timer). A row is launch-bound if its eager/graph ratio says so, or if the whole sweep is flat."""
+    timer). A row is launch-bound if its eager/graph ratio says so, if the whole sweep is flat,
+    or if it was timed on the CPU."""
     flat = flat_curve([(r[bytes_key], r[time_key]) for r in rows])
     for r in rows:
         by_graph = eager_graph_launch_bound(r.get("eager_ms", r[time_key]), r.get("graph_ms"))
-        why = []
+        why = ["CPU timer: host time (no GPU; kernels interpreted)"] if r.get("timer") == "cpu" else []
         if by_graph:
             why.append(f"eager/graph {r.get('eager_ms', r[time_key]) / r['graph_ms']:.1f} > {LAUNCH_BOUND_RATIO}")
         if flat:

@@ -24,7 +24,8 @@ SUITES = {s.name: s for s in [
     Suite("triton", "test_triton.py",
           "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism, module on the kernel; bench"),
     Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
-    Suite("decode", None, "decode step time (CUDA graphs), per branch, dense baseline, roofline"),
+    Suite("decode", "test_decode.py",
+          "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline"),
     Suite("counters", "test_counters.py",
           "decode read counters measured from the gathered indices == formula at every step; paper Table 4"),
 ]}

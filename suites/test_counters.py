@@ -4,8 +4,12 @@ The decode step reports, per branch and KV head, how many KV tokens it attended 
 from the slice and gather-index tensors it actually used (``cache.reads``). Here those measured
 counts are compared with the formula at every step, from prefill lengths that straddle every
 boundary (t < l, t < w, t+1 not a multiple of l', more causal blocks than n), and the paper's
-Table 4 is reproduced (tokens per step at 8k … 64k, ±1 for the paper's rounding).
+Table 4 is reproduced (tokens per step at 8k … 64k, ±1 for the paper's rounding). Each case runs
+on every decode path the profile lists (``suites.counters.backends``: the torch path, and the
+Triton decode kernel on GPUs), and proves from the dispatch log that that path ran.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,10 +34,24 @@ CASES = [pytest.param(name, cfg, P, id=f"{name}-prefill{P}")
          for name, cfg in (("tiny", tiny()), ("paper", PAPER_SMALL)) for P in _prefill_lengths(cfg)]
 
 
+@pytest.fixture(params=CFG.backends)
+def backend(request):
+    """The decode path under test; a path that cannot run here is skipped with its reason."""
+    if request.param != "torch":
+        _, why = routing.lookup("decode", "step", request.param, device=DEV, dtype=torch.float32)
+        if why:
+            pytest.skip(f"decode path {request.param} cannot run here: {why}")
+    return request.param
+
+
+def _layer(cfg, backend):
+    return NSAAttention(cfg, dataclasses.replace(CTX.profile.routing, decode_backend=backend)).to(DEV)
+
+
 @pytest.mark.parametrize("name,cfg,P", CASES)
-def test_reads_equal_formula_every_step(name, cfg, P, record):
+def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
     torch.manual_seed(P)
-    m = NSAAttention(cfg, CTX.profile.routing).to(DEV)
+    m = _layer(cfg, backend)
     steps = CFG.decode_steps
     x = torch.randn(2, P + steps, cfg.d_model, device=DEV)
     cache = DecodeCache(cfg, 2, P + steps, device=DEV)
@@ -50,25 +68,28 @@ def test_reads_equal_formula_every_step(name, cfg, P, record):
                 checked += got.numel()
                 if not bool((got == want[br]).all()):
                     mismatches.append(f"t={t} {br}: measured {got.unique().tolist()} != formula {want[br]}")
-    record.expect_ran(log, "decode", "sel", m.policy.decode_backend)
+    for br in BRANCHES:
+        record.expect_ran(log, "decode", br, backend)
     record.metrics.update(steps=steps, checked=checked, first_t=P, last_t=P + steps - 1,
                           reads_last=cfg.expected_reads(P + steps - 1))
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
 
 
 @pytest.mark.parametrize("S", CFG.paper_contexts)
-def test_paper_table4(S, record):
+def test_paper_table4(S, backend, record):
     """One decode step at t = S−1 after filling the cache with S−1 tokens (paper config)."""
     if S not in TABLE4:
         pytest.skip(f"paper Table 4 has no entry for S={S}")
     cfg = PAPER_SMALL
     torch.manual_seed(0)
-    m = NSAAttention(cfg, CTX.profile.routing).to(DEV)
+    m = _layer(cfg, backend)
     x = torch.randn(1, S, cfg.d_model, device=DEV)
     cache = DecodeCache(cfg, 1, S, device=DEV)
-    with torch.no_grad():
+    with torch.no_grad(), routing.capture() as log:
         m.fill_cache(x[:, :S - 1], cache)
         out = m.decode(x[:, S - 1:S], cache)
+    for br in BRANCHES:
+        record.expect_ran(log, "decode", br, backend)
     assert torch.isfinite(out).all()
     measured = {br: cache.reads[br].unique().tolist() for br in BRANCHES}
     assert all(len(v) == 1 for v in measured.values()), f"reads differ across KV heads: {measured}"

@@ -29,3 +29,37 @@ def test_eager_much_slower_than_graph_is_labelled():
     r = roofline.label(rows)[0]
     assert r["launch_bound"] and "eager/graph 5.0" in r["launch_bound_why"]
     assert roofline.eager_graph_launch_bound(1.0, None) is None
+
+
+def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
+    """The seeds' mistake, reproduced: a 'step' whose time is host overhead (a fixed sleep, the
+    cache never read) timed over 128..4096 tokens. The decode table and report.md say launch-bound,
+    because the curve is flat while the bytes grow 32x — with the timer label on top."""
+    import time
+
+    from nsa_core.config import PAPER
+    from nsa_validate import decode_table, report, timing
+    from nsa_validate.plugin import SuiteExtra
+    from nsa_validate.schema import CaseRecord, SuiteResult, verdict
+
+    def host_bound_step():
+        time.sleep(0.003)
+
+    rows = []
+    for S in (128, 512, 1024, 4096):
+        t = timing.bench(host_bound_step, device="cpu", reps=5)
+        tokens = sum(PAPER.expected_reads(S - 1).values())
+        rows.append({"B": 1, "S": S, "timer": "cuda_events", "step_ms": t.median_ms, "eager_ms": t.median_ms,
+                     "graph_ms": None, "tokens_read": tokens, "speedup_vs_dense": None, "expected_speedup": None,
+                     "bytes": roofline.bytes_read(tokens, PAPER.d_k, PAPER.d_v, 2, PAPER.n_kv_heads, 1)})
+    extra = SuiteExtra(str(tmp_path / "suites" / "decode"))
+    df = decode_table.finish(rows, extra)
+    assert df.launch_bound.all() and df.launch_bound_why.str.contains("flat").all()
+    assert (tmp_path / "suites" / "decode" / "decode.csv").exists()
+    s = {"decode": SuiteResult("decode", "pass", 1.0, [CaseRecord("roofline_table", "decode", "pass")],
+                               extra=extra.data)}
+    res = {"manifest": {"command": []}, "env": {}, "suites": {n: x.to_dict() for n, x in s.items()},
+           "verdict": verdict(s, strict=False)}
+    md = report.render(res)
+    table = [ln for ln in md.splitlines() if ln.startswith("| 1 |")]
+    assert len(table) == 4 and all("yes: time flat" in ln for ln in table), table

@@ -1,0 +1,95 @@
+"""The decode bench's output (SPEC §6): launch-bound labels, ``decode.csv``, two PNG plots and the
+report table, from the rows the ``decode`` suite measured. One row per (B, S); ``COLUMNS`` is the
+CSV's documentation (also written into the report)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from nsa_validate import roofline
+
+COLUMNS = {
+    "B": "batch rows (one new token each)",
+    "S": "context: tokens in the cache including the new one (t = S−1)",
+    "timer": "cuda_graph (replays of a captured step), cuda_events (eager) or cpu (perf_counter: noise)",
+    "step_ms": "median time of the whole NSA step (graph replay where a GPU is present)",
+    "step_p20_ms": "20th percentile of the step samples", "step_p80_ms": "80th percentile",
+    "eager_ms": "median of the same step launched eagerly from Python (CUDA events)",
+    "graph_ms": "median of the graph-replayed step (empty without a GPU)",
+    "cmp_ms": "the compressed branch alone", "sel_ms": "selection + the selected branch alone",
+    "win_ms": "the window branch alone",
+    "dense_sdpa_ms": "dense decode over the whole cache: append + SDPA (fused backends only on a GPU)",
+    "dense_flash_attn_ms": "dense decode: append + flash_attn_with_kvcache (v padded to d_k), if installed",
+    "speedup_vs_dense": "fastest dense / step_ms",
+    "expected_speedup": "paper Table 4: dense tokens / NSA tokens read per step, S / (cmp + sel + win)",
+    "tokens_read": "tokens per KV head the step read (cmp + sel + win), from the kernel's own counters",
+    "bytes": "tokens_read × (d_k + d_v) × bytes/elem × G × B",
+    "achieved_gbs": "bytes / step_ms", "pct_copy_bw": "achieved / measured device copy bandwidth, %",
+    "pct_spec_bw": "achieved / the profile's spec-sheet bandwidth, %",
+    "launch_bound": "eager/graph > 1.5, the time flat in S while bytes grow, or a CPU timer (roofline.label)",
+    "launch_bound_why": "which sign, with the figures",
+}
+TABLE = "decode step (SPEC §6): ms, medians of the samples"
+
+
+def finish(rows: list[dict], extra, notes: list[str] = ()) -> pd.DataFrame:
+    """Label ``rows`` per batch size, write CSV and plots under ``extra.dir`` (when set), add the
+    report table and notes to ``extra`` (plugin.SuiteExtra). Returns the labelled table."""
+    for B in sorted({r["B"] for r in rows}):
+        roofline.label([r for r in rows if r["B"] == B])
+    df = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["B", "S"])
+    if extra.dir is not None:
+        extra.dir.mkdir(parents=True, exist_ok=True)
+        df.to_csv(extra.dir / "decode.csv", index=False)
+        _plots(df, extra)
+    for r in df.to_dict("records"):
+        extra.row(TABLE, {
+            "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
+            "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}", "eager": _f(r["eager_ms"]),
+            "cmp": _f(r["cmp_ms"]), "sel": _f(r["sel_ms"]), "win": _f(r["win_ms"]),
+            "dense SDPA": _f(r["dense_sdpa_ms"]), "dense flash-attn": _f(r["dense_flash_attn_ms"]),
+            "x dense": _f(r["speedup_vs_dense"], 2), "paper expected x": _f(r["expected_speedup"], 2),
+            "tokens": r["tokens_read"], "GB/s": _f(r["achieved_gbs"], 0),
+            "% copy bw": _f(r["pct_copy_bw"], 1), "% spec bw": _f(r["pct_spec_bw"], 1),
+            "launch-bound": ("yes: " + r["launch_bound_why"]) if r["launch_bound"] else "no"})
+    for n in notes:
+        extra.note(n)
+    extra.note("decode.csv columns: " + "; ".join(f"`{k}` {v}" for k, v in COLUMNS.items()))
+    return df
+
+
+def _f(x, digits: int = 4) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _plots(df: pd.DataFrame, extra) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rel = f"suites/{extra.dir.name}"                 # plots are linked relative to the run folder
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for B, d in df.groupby("B"):
+        ax.plot(d.S, d.step_ms, "o-", label=f"NSA step B={B}")
+        ax.plot(d.S, d.dense_sdpa_ms, "s--", label=f"dense SDPA B={B}")
+        if d.dense_flash_attn_ms.notna().any():
+            ax.plot(d.S, d.dense_flash_attn_ms, "^:", label=f"dense flash-attn B={B}")
+    ax.set(xscale="log", yscale="log", xlabel="context S (tokens)", ylabel="ms per step (median)",
+           title=f"decode step vs dense ({df.timer.iloc[0]})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(extra.dir / "decode_time.png", dpi=110)
+    plt.close(fig)
+    extra.plot(f"{rel}/decode_time.png")
+    if df.pct_copy_bw.notna().any():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for B, d in df.groupby("B"):
+            ax.plot(d.S, d.pct_copy_bw, "o-", label=f"B={B}")
+        ax.axhline(100, color="grey", lw=0.8)
+        ax.set(xscale="log", xlabel="context S (tokens)", ylabel="% of measured copy bandwidth",
+               title="decode step: achieved / copy bandwidth", ylim=(0, 110))
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(extra.dir / "decode_roofline.png", dpi=110)
+        plt.close(fig)
+        extra.plot(f"{rel}/decode_roofline.png")

@@ -1,0 +1,234 @@
+"""decode: the Triton decode step against the fp32 oracle, and a decode bench that times the GPU.
+
+Parity (``parity[S]``): a cache of S tokens (random K/V, random compressed K/V, NaN past them);
+the step for token t = S−1 must select the oracle's blocks (``reference.decode_row``, fp32, from
+the same cache values) and match each branch's output and the gate mix within the 2x rule against
+the oracle run in the test dtype with the same blocks; the reads it counted must equal SPEC §3.
+
+Bench (``bench[B-S]``, SPEC §6): the step is ``kernels.decode.DecodeStep`` (append the new token's
+K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
+(``timing.bench(graph=True)``), and also run eagerly; each branch alone (only its work: selection
+belongs to ``sel``); and a dense decode over the whole cache (append + SDPA on a fused backend, and
+flash-attn's ``flash_attn_with_kvcache`` when installed, v zero-padded to d_k as FA-2 needs). Bytes
+= measured reads × (d_k + d_v) × bytes/elem × G × B; achieved GB/s against the device's measured
+copy bandwidth and the profile's spec-sheet figure. The last case (``roofline_table``) labels
+launch-bound rows (eager/graph > 1.5, or a curve flat in S: ``nsa_validate.roofline``), writes
+``decode.csv`` (columns documented in ``nsa_validate.decode_table.COLUMNS``), two PNG plots and the report table, and checks the
+profile's ``expect`` figures at the largest batch and longest context.
+
+On a CPU the kernels run under the Triton interpreter at tiny sizes and the timer is
+``time.perf_counter`` (rows say ``timer=cpu``): those figures only prove the plumbing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nsa_core import routing
+from nsa_core.config import PAPER, tiny
+from nsa_validate import decode_table, roofline, timing
+from nsa_validate.context import current
+from nsa_validate.plugin import profile_cases
+from nsa_validate.tolerance import DTYPES
+
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+CTX = current()
+CFG = CTX.profile.suites.decode
+DEV = CTX.device
+LAYER = PAPER if CFG.paper_config else tiny(block_size=16, n_selected=4, window=64)
+DTYPE = DTYPES[CFG.dtype]
+GPU = DEV == "cuda"
+
+ROWS: list[dict] = []            # bench rows of this session, for the last case
+
+
+def _require():
+    from kernels import routes
+    why = routes.triton_unavailable(cfg=LAYER, device=DEV, dtype=DTYPE)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    from kernels import decode
+    return decode
+
+
+def _cache(B, S, seed):
+    """A DecodeCache of capacity S holding tokens 0..S−2 (random K/V and compressed K/V; the rest
+    NaN), and the new token's q, k, v, gate, pos (t = S−1)."""
+    from nsa_core import DecodeCache
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=DEV, generator=g).to(DTYPE)  # noqa: E731
+    c = DecodeCache(LAYER, B, S, device=DEV, dtype=DTYPE)
+    t = S - 1
+    G, N = LAYER.n_kv_heads, LAYER.n_cmp(t)
+    c.k[:, :t], c.v[:, :t] = rnd(B, t, G, LAYER.d_k), rnd(B, t, G, LAYER.d_v)
+    c.k_cmp[:, :N], c.v_cmp[:, :N] = rnd(B, N, G, LAYER.d_k), rnd(B, N, G, LAYER.d_v)
+    new = dict(q=rnd(B, LAYER.n_heads, LAYER.d_k), k_new=rnd(B, G, LAYER.d_k), v_new=rnd(B, G, LAYER.d_v),
+               gate=torch.rand(B, LAYER.n_heads, 3, device=DEV, generator=g).to(DTYPE),
+               pos=torch.full((B,), t, dtype=torch.int32, device=DEV))
+    return c, new
+
+
+# -- parity ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.contexts],
+                                       "decode", "contexts", 1))
+def test_parity(S, record):
+    from nsa_core import reference
+    decode = _require()
+    B = 2
+    cache, new = _cache(B, S, seed=S)
+    step = decode.DecodeStep(LAYER, cache)
+    with torch.no_grad(), routing.capture() as log:
+        r = step(**new)
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    t = S - 1
+    args = (new["q"], cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, LAYER)
+    ref = reference.decode_row(*args)
+    mismatch = (r.idx.long() != ref["idx"]).any(-1)
+    record.metrics["idx_rows_differing"] = int(mismatch.sum())
+    assert not mismatch.any(), f"selected blocks differ from the oracle's in {int(mismatch.sum())} of {B * LAYER.n_kv_heads} (row, KV head)"
+    lp = reference.decode_row(*args, idx=ref["idx"], dtype=DTYPE) if DTYPE != torch.float32 else None
+    for br in ("cmp", "sel", "win"):
+        record.check(f"o_{br}", r.out[br], ref[f"o_{br}"], lp and lp[f"o_{br}"], dtype=DTYPE)
+    g = new["gate"]
+    mix = lambda o, dt: sum(g[..., i:i + 1].to(dt) * o[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))  # noqa: E731
+    record.check("mixed", r.mixed, mix(ref, torch.float32), lp and mix(lp, DTYPE), dtype=DTYPE)
+    want = LAYER.expected_reads(t)
+    got = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
+    record.metrics["reads"] = {"measured": got, "formula": want}
+    assert got == {br: [want[br]] for br in got}, f"measured reads {got} != formula {want}"
+    record.assert_ok()
+
+
+# -- bench ----------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def copy_gbs():
+    """Device copy bandwidth (GB/s, read + write) from 1 GiB → 1 GiB copies; None without a GPU."""
+    if not GPU:
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t = timing.bench(lambda: dst.copy_(src), l2_flush=False, graph=True)
+    return 2 * src.numel() / (t.median_ms * 1e-3) / 1e9
+
+
+def _dense_sdpa(cache, new):
+    """append + SDPA over the whole cache. The h query heads of a group are the rows of one query
+    block over that group's K/V (exact for a single new token: it attends to every cached token)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, G, h = cache.k.shape[0], LAYER.n_kv_heads, LAYER.heads_per_group
+    rows, at = torch.arange(B, device=DEV), new["pos"].long()
+    q = new["q"].view(B, G, h, -1)
+    k, v = cache.k.transpose(1, 2), cache.v.transpose(1, 2)                     # [B, G, S, d] views
+
+    # on a GPU only fused backends (a silent fallback to the math path would flatter NSA); a CPU has
+    # only the math path
+    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] if GPU \
+        else [SDPBackend.MATH]
+
+    def run():
+        cache.k[rows, at], cache.v[rows, at] = new["k_new"], new["v_new"]
+        with sdpa_kernel(allowed):
+            return F.scaled_dot_product_attention(q, k, v, scale=LAYER.scale)
+    return run
+
+
+def _dense_flash_attn(cache, new):
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except Exception:
+        return None
+    B = cache.k.shape[0]
+    vpad = F.pad(cache.v, (0, LAYER.d_k - LAYER.d_v))                            # FA-2: one head dim
+    rows, at = torch.arange(B, device=DEV), new["pos"].long()
+    q = new["q"].view(B, 1, LAYER.n_heads, -1)
+    seqlens = new["pos"] + 1
+
+    def run():
+        cache.k[rows, at] = new["k_new"]
+        vpad[rows, at, :, :LAYER.d_v] = new["v_new"]
+        return flash_attn_with_kvcache(q, cache.k, vpad, cache_seqlens=seqlens, softmax_scale=LAYER.scale)
+    return run
+
+
+def _time(fn, graph):
+    return timing.bench(fn, device=DEV, graph=graph and GPU, budget_ms=300 if GPU else 200,
+                        min_reps=5 if GPU else 3, max_reps=200 if GPU else 5)
+
+
+BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches for S in CFG.contexts]
+
+
+@pytest.mark.parametrize("B,S", profile_cases(BENCH, "decode", "contexts", 2))
+def test_bench(B, S, record, copy_gbs):
+    decode = _require()
+    cache, new = _cache(B, S, seed=B * 7919 + S)
+    step = decode.DecodeStep(LAYER, cache)
+    with torch.no_grad(), routing.capture() as log:
+        r = step(**new)
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    reads = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
+    want = LAYER.expected_reads(S - 1)
+    assert reads == {br: [want[br]] for br in reads}, f"measured reads {reads} != formula {want}"
+    tokens = sum(want.values())
+    t = {}
+    with torch.no_grad():
+        t["eager"] = _time(lambda: step(**new), graph=False)
+        if GPU:
+            t["graph"] = _time(lambda: step(**new), graph=True)
+        for br in ("cmp", "sel", "win"):
+            alone = decode.DecodeStep(LAYER, cache, branches=(br,))
+            t[br] = _time(lambda: alone(**new), graph=True)
+        dense = {"sdpa": _dense_sdpa(cache, new), "flash_attn": _dense_flash_attn(cache, new)}
+        for name, fn in dense.items():
+            if fn is not None:
+                t[f"dense_{name}"] = _time(fn, graph=True)
+    record.metrics.update({name: tm.summary() for name, tm in t.items()})
+    main = t.get("graph", t["eager"])
+    nbytes = roofline.bytes_read(tokens, LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
+    gbs = roofline.achieved_gbs(nbytes, main.median_ms)
+    dense_ms = min(t[k].median_ms for k in t if k.startswith("dense_"))
+    spec = CTX.profile.expect.peak_bandwidth_gbs
+    row = {"B": B, "S": S, "timer": main.timer, "step_ms": main.median_ms, "step_p20_ms": main.p20_ms,
+           "step_p80_ms": main.p80_ms, "eager_ms": t["eager"].median_ms,
+           "graph_ms": t["graph"].median_ms if "graph" in t else None,
+           **{f"{br}_ms": t[br].median_ms for br in ("cmp", "sel", "win")},
+           "dense_sdpa_ms": t["dense_sdpa"].median_ms,
+           "dense_flash_attn_ms": t["dense_flash_attn"].median_ms if "dense_flash_attn" in t else None,
+           "speedup_vs_dense": dense_ms / main.median_ms, "expected_speedup": S / tokens,
+           "tokens_read": tokens, "bytes": nbytes, "achieved_gbs": gbs,
+           "pct_copy_bw": 100 * gbs / copy_gbs if copy_gbs else None,
+           "pct_spec_bw": 100 * gbs / spec if spec and GPU else None}
+    ROWS.append(row)
+    record.metrics["row"] = row
+
+
+def test_roofline_table(record, extra, copy_gbs):
+    """Labels, CSV, plots and the report table from this session's bench rows; the profile's
+    expectations (decode_roofline_min, decode_speedup_min) at the largest batch, longest context."""
+    if not ROWS:
+        pytest.skip("no bench row was measured in this session (see the bench cases)")
+    gpu = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter; timings are host time, noise)"
+    what = (f"paper config G={LAYER.n_kv_heads}, h={LAYER.heads_per_group}, d_k={LAYER.d_k}, d_v={LAYER.d_v}"
+            if CFG.paper_config else "tiny config")
+    notes = [f"decode bench on {gpu}: {what}, {CFG.dtype}"]
+    if copy_gbs:
+        notes.append(f"measured device copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB copy, read + write)")
+    df = decode_table.finish(ROWS, extra, notes)
+    record.metrics["rows"] = len(df)
+    exp = CTX.profile.expect
+    top = df[df.B == df.B.max()].sort_values("S").iloc[-1]
+    record.metrics["checked_at"] = {"B": int(top.B), "S": int(top.S), "pct_copy_bw": top.pct_copy_bw,
+                                    "speedup_vs_dense": top.speedup_vs_dense}
+    problems = []
+    if exp.decode_roofline_min is not None and GPU:
+        if not top.pct_copy_bw >= 100 * exp.decode_roofline_min:
+            problems.append(f"B={top.B} S={top.S}: {top.pct_copy_bw:.1f}% of copy bandwidth < "
+                            f"{100 * exp.decode_roofline_min:.0f}% expected")
+    if exp.decode_speedup_min is not None and GPU:
+        if not top.speedup_vs_dense >= exp.decode_speedup_min:
+            problems.append(f"B={top.B} S={top.S}: {top.speedup_vs_dense:.2f}x dense < {exp.decode_speedup_min}x expected")
+    assert not problems, "; ".join(problems)
