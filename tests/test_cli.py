@@ -74,11 +74,18 @@ def test_report_rerenders_identically(tmp_path):
     assert r.returncode == 0 and (d / "report.md").read_text() == before
 
 
-def test_strict_fails_on_not_implemented_suite(tmp_path):
-    r = cli("suite", "decode", "--out", str(tmp_path), "--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["suites"]["decode"]["status"] == "skip"
-    r = cli("suite", "decode", "--out", str(tmp_path), "--strict", "--json")
-    assert r.returncode == 1 and "not implemented" in " ".join(json.loads(r.stdout)["verdict"]["blocking"])
+def test_strict_fails_on_a_skipped_case(tmp_path):
+    """A profile with no decode sizes: the suite's cases skip with the profile field named; the run
+    passes, and --strict fails on that skip."""
+    prof = _small_profile(tmp_path)
+    p = yaml.safe_load(prof.read_text())
+    p["suites"]["decode"].update(contexts=[], batches=[])
+    prof.write_text(yaml.safe_dump(p))
+    r = cli("suite", "decode", "--profile", str(prof), "--out", str(tmp_path), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["suites"]["decode"]["status"] == "skip", r.stderr[-2000:]
+    r = cli("suite", "decode", "--profile", str(prof), "--out", str(tmp_path), "--strict", "--json")
+    blocking = " ".join(json.loads(r.stdout)["verdict"]["blocking"])
+    assert r.returncode == 1 and "suites.decode.contexts" in blocking, blocking
 
 
 def test_sigint_leaves_folder_marked_interrupted(tmp_path):
@@ -100,8 +107,8 @@ def test_sigint_leaves_folder_marked_interrupted(tmp_path):
 
 
 def _small_profile(tmp_path) -> Path:
-    """This machine's shipped profile with the triton suite cut to one small shape (the full
-    suite runs in its own test of the suites; on a CPU the interpreter is slow)."""
+    """This machine's shipped profile with the triton and decode suites cut to one small shape (the
+    full suites run in their own tests; on a CPU the interpreter is slow)."""
     import torch
 
     from nsa_validate.profiles import auto_name
@@ -111,6 +118,9 @@ def _small_profile(tmp_path) -> Path:
                                     head_dims=[prof["suites"]["triton"]["head_dims"][0]],
                                     seq_lens=prof["suites"]["triton"]["seq_lens"][:1],
                                     long_seq_lens=[], prefill_paper_len=None, bench_seq_lens=[])
+    # decode: one small bench row (the profile's speed expectations are for its full sizes)
+    prof["suites"]["decode"].update(contexts=prof["suites"]["decode"]["contexts"][:1], batches=[1])
+    prof["expect"].update(decode_roofline_min=None, decode_speedup_min=None)
     path = tmp_path / f"{name}-small.yaml"
     path.write_text(yaml.safe_dump(prof))
     return path
@@ -144,7 +154,7 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
             assert out["suites"][name]["status"] == "pass", name
         assert out["suites"]["triton"]["status"] == _triton_expected(), out["suites"]["triton"]
         assert out["suites"]["fa2"]["status"] == _fa2_expected(), out["suites"]["fa2"]
-        assert out["suites"]["decode"]["status"] == "skip"          # not implemented yet, never missing
+        assert out["suites"]["decode"]["status"] == _triton_expected(), out["suites"]["decode"]
         assert "VERDICT: pass" in r.stderr
     dirs = run_dirs(tmp_path / "runs")
     assert len(dirs) == 2
@@ -153,7 +163,8 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
             assert (d / f).is_file(), f
         assert json.loads((d / "manifest.json").read_text())["status"] == "complete"
     md = (dirs[0] / "report.md").read_text()
-    assert "paper Table 4" in md and "| 65536 |" in md and "not implemented" in md
+    assert "paper Table 4" in md and "| 65536 |" in md
+    assert ("decode step (SPEC §6)" in md) == (_triton_expected() == "pass")
 
 
 def test_shadowed_kernels_is_broken_env_and_oneshot_stops_with_3(tmp_path):
