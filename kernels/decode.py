@@ -7,11 +7,12 @@ position is a device tensor; no shape depends on it):
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
    partial (max, sum, acc). For selection it also writes the group's logits q·k_cmp (log2 units).
-2. ``_select_kernel``: one program per (batch row · KV head). It merges the compressed partials into
-   each head's softmax max and normaliser, turns the logits into p_cmp, sums them into
-   selection-block scores (a compressed token adds to every block its span overlaps, summed over
-   the h heads), and takes the top n (block 0 and the two local blocks forced; ties to the lower
-   index), written ascending and −1 padded: exactly SPEC §3.
+2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
+   compressed partials into each head's softmax max and normaliser, turns the logits into p_cmp and
+   sums them into selection-block scores (a compressed token adds to every block its span
+   overlaps, summed over the h heads); ``_topn_kernel`` (one program per (row · KV head)) takes the
+   top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
+   −1 padded: exactly SPEC §3.
 3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
    (positions j·l' .. min(j·l'+l', t+1)−1).
 4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
@@ -40,6 +41,11 @@ from nsa_core.config import NSAConfig
 
 LOG2E = 1.4426950408889634
 BRANCHES = ("cmp", "sel", "win")
+# launch configuration (H100-tuned; see the decode suite's bench)
+PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
+MAX_TILES = 8                  # tiles one partial program walks at most
+SCORE_BLOCKS = 64              # selection blocks one scoring program covers
+MERGE_COLS = 32                # d_v columns one merge program covers
 
 
 @triton.jit
@@ -132,16 +138,15 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
 
 
 @triton.jit
-def _select_kernel(PM, PL, LOGIT, POS, IDX, sib, sig,
+def _scores_kernel(PM, PL, LOGIT, POS, SCORE,
                    G: tl.constexpr, H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr,
                    CP: tl.constexpr, NC: tl.constexpr, NMAX_P: tl.constexpr, BLOCK: tl.constexpr,
-                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr,
-                   NBP: tl.constexpr, OV: tl.constexpr):
+                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, NBP: tl.constexpr, BJ: tl.constexpr,
+                   OV: tl.constexpr):
+    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP]."""
     bg = tl.program_id(0)
     b = bg // G
-    g = bg % G
     t = tl.load(POS + b)
-    cur = t // BLOCK
     n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
     rows = tl.arange(0, BH)
     # each head's softmax max M and normaliser L over all compressed tokens, from the chunk partials
@@ -154,20 +159,34 @@ def _select_kernel(PM, PL, LOGIT, POS, IDX, sib, sig,
     L = tl.sum(tl.exp2(pm - M[None, :]) * pl, 0)
     inv_L = tl.where(L > 0, 1.0 / tl.where(L > 0, L, 1.0), 0.0)        # no compressed token: 0
     # block j gets p of compressed tokens i with i·d < (j+1)·l' and i·d + l > j·l'
-    j = tl.arange(0, NBP)
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     first = j * BLOCK - CMP_LEN + 1
     i_lo = tl.where(first > 0, (first + CMP_STRIDE - 1) // CMP_STRIDE, 0)
     i_hi = ((j + 1) * BLOCK - 1) // CMP_STRIDE
-    score = tl.zeros([NBP], tl.float32)
+    score = tl.zeros([BJ], tl.float32)
     for hh in tl.static_range(H_PER_G):
         m_h = tl.sum(tl.where(rows == hh, M, 0.0), 0)
         inv_h = tl.sum(tl.where(rows == hh, inv_L, 0.0), 0)
         base = LOGIT + (bg * BH + hh).to(tl.int64) * NMAX_P
         for o in tl.static_range(OV):
             i = i_lo + o
-            ok = (i <= i_hi) & (i < n_cmp)
-            s = tl.load(base + i, mask=ok, other=float("-inf"))
+            s = tl.load(base + i, mask=(i <= i_hi) & (i < n_cmp), other=float("-inf"))
             score += tl.exp2(s - m_h) * inv_h
+    tl.store(SCORE + bg * NBP + j, score)
+
+
+@triton.jit
+def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
+                 NSP: tl.constexpr, NBP: tl.constexpr):
+    """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
+    scores among the other causal blocks, ties to the lower index; written ascending, −1 padded."""
+    bg = tl.program_id(0)
+    b = bg // G
+    g = bg % G
+    t = tl.load(POS + b)
+    cur = t // BLOCK
+    j = tl.arange(0, NBP)
+    score = tl.load(SCORE + bg * NBP + j)
     forced = (j == 0) | (j == cur) | (j == cur - 1)
     key = tl.where(j <= cur, score, float("-inf"))
     key = tl.where(forced & (j <= cur), float("inf"), key)
@@ -186,11 +205,12 @@ def _select_kernel(PM, PL, LOGIT, POS, IDX, sib, sig,
 
 @triton.jit
 def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr,
-                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
-    """Log-sum-exp merge of chunks [lo, hi) of one (row · KV head) -> (o [BH, BDV], tokens read)."""
+                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr):
+    """Log-sum-exp merge of chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]
+    -> (o [BH, BDV_S], tokens read)."""
     m = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BDV], tl.float32)
+    acc = tl.zeros([BH, BDV_S], tl.float32)
     cnt = tl.zeros([], tl.int32)
     for c in tl.range(lo, hi):
         out = (bg * NC + c).to(tl.int64)
@@ -209,35 +229,37 @@ def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl
 @triton.jit
 def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
                   G: tl.constexpr, H_PER_G: tl.constexpr, DV: tl.constexpr, C_CMP: tl.constexpr,
-                  C_WIN: tl.constexpr, NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr,
+                  C_WIN: tl.constexpr, NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr):
     bg = tl.program_id(0)
+    part = tl.program_id(1)                                          # which BDV_S columns of d_v
     b = bg // G
     g = bg % G
     rows = tl.arange(0, BH)
-    offs_dv = tl.arange(0, BDV)
+    offs_dv = part * BDV_S + tl.arange(0, BDV_S)
     H: tl.constexpr = G * H_PER_G
     head = g * H_PER_G + rows
     ok = (rows[:, None] < H_PER_G) & (offs_dv[None, :] < DV)
     dst = (b * H + head)[:, None] * DV + offs_dv[None, :]
-    mix = tl.zeros([BH, BDV], tl.float32)
+    mix = tl.zeros([BH, BDV_S], tl.float32)
     plane = B * H * DV                                               # OUT is [3, B, H, d_v]
+    first = part == 0                                                # one program writes the reads
     if DO_CMP:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, NC, BH, BDV)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, NC, BH, BDV, BDV_S)
         tl.store(OUT + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + bg, cnt)
+        tl.store(READS + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if DO_SEL:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, NC, BH, BDV)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, NC, BH, BDV, BDV_S)
         tl.store(OUT + plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + B * G + bg, cnt)
+        tl.store(READS + B * G + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3 + 1, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if DO_WIN:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, NC, BH, BDV)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, NC, BH, BDV, BDV_S)
         tl.store(OUT + 2 * plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + 2 * B * G + bg, cnt)
+        tl.store(READS + 2 * B * G + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3 + 2, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if HAS_GATE:
@@ -245,11 +267,11 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
 
 
 # -- launcher -----------------------------------------------------------------------------------
-def _tiles_per_chunk(tiles: int, programs_per_chunk: int, n_sm: int, cap: int = 8) -> int:
+def _tiles_per_chunk(tiles: int, programs_per_chunk: int, n_sm: int) -> int:
     """Tiles one program walks (a power of two): about 4 programs per SM, and no more partials
     to merge than that needs."""
     want = max(1, tiles * programs_per_chunk // (4 * n_sm))
-    return min(1 << (want.bit_length() - 1), cap, triton.next_power_of_2(tiles))
+    return min(1 << (want.bit_length() - 1), MAX_TILES, triton.next_power_of_2(tiles))
 
 
 @dataclass(frozen=True)
@@ -261,6 +283,8 @@ class Plan:
     d_k: int
     d_v: int
     n_max: int                 # compressed cache entries
+    n_sel: int                 # selection slots n
+    nbp: int                   # selection blocks of the cache, padded to a power of two
     BN: int
     BH: int
     BDK: int
@@ -281,13 +305,14 @@ class Plan:
         return self.C_CMP * self.cmp_tiles * self.BN
 
 
-def plan(cfg: NSAConfig, B: int, n_max: int, device) -> Plan:
+def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
     BN = max(16, triton.next_power_of_2(cfg.block_size))
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 8
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BN), triton.cdiv(cfg.window, BN), cfg.n_selected
     ct, wt, st = (_tiles_per_chunk(x, B * G, n_sm) for x in (cmp_t, win_t, sel_t))
-    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, BN, max(16, triton.next_power_of_2(h)),
+    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
+                triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, max(16, triton.next_power_of_2(h)),
                 max(16, triton.next_power_of_2(cfg.d_k)), max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st))
 
@@ -303,10 +328,12 @@ class Workspace:
         self.pacc = torch.empty(BG, p.NC, p.BH, p.BDV, **f32)
         self.pcnt = torch.empty(BG, p.NC, device=device, dtype=torch.int32)
         self.logits = torch.empty(BG, p.BH, p.nmax_p, **f32)
-        self.idx = torch.empty(p.B, p.G, 0, device=device, dtype=torch.int32)
+        self.idx = torch.empty(p.B, p.G, p.n_sel, device=device, dtype=torch.int32)
+        self.score = torch.empty(BG, p.nbp, **f32)
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.mix = torch.zeros(p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.reads = torch.zeros(3, p.B, p.G, device=device, dtype=torch.int32)
+
 
 
 @dataclass
@@ -329,16 +356,14 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if bad or not branches:
         raise ValueError(f"branches must be a non-empty subset of {BRANCHES}, got {branches!r}")
     B = q.shape[0]
-    p = p or plan(cfg, B, k_cmp.shape[1], q.device)
+    p = p or plan(cfg, B, k.shape[1], k_cmp.shape[1], q.device)
     ws = ws or Workspace(p, q.dtype, q.device)
-    if ws.idx.shape[-1] != cfg.n_selected:
-        ws.idx = torch.empty(B, p.G, cfg.n_selected, device=q.device, dtype=torch.int32)
     want = set(branches)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, NMAX_P=p.nmax_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BN=p.BN, BDK=p.BDK, BDV=p.BDV,
-                  PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PARTIAL_WARPS)
     args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.logits,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
@@ -347,22 +372,25 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if want & {"cmp", "sel"}:
         _partial_kernel[(BG, p.C_CMP)](*args, 0, WANT_V="cmp" in want, WRITE_LOGITS="sel" in want, **common)
     if "sel" in want:
-        ov = (cfg.block_size + cfg.cmp_len - 2) // cfg.cmp_stride + 1
-        _select_kernel[(BG,)](ws.pm, ws.pl, ws.logits, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1),
-                              G=p.G, H_PER_G=p.h, BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP),
-                              NC=p.NC, NMAX_P=p.nmax_p, BLOCK=cfg.block_size, CMP_LEN=cfg.cmp_len,
-                              CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected,
-                              NSP=triton.next_power_of_2(cfg.n_selected),
-                              NBP=triton.next_power_of_2(triton.cdiv(k.shape[1], cfg.block_size)), OV=ov,
-                              num_warps=8)
+        NBP = p.nbp
+        BJ = min(NBP, SCORE_BLOCKS)
+        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.logits, pos, ws.score, G=p.G, H_PER_G=p.h,
+                                        BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
+                                        NMAX_P=p.nmax_p, BLOCK=cfg.block_size, CMP_LEN=cfg.cmp_len,
+                                        CMP_STRIDE=cfg.cmp_stride, NBP=NBP, BJ=BJ,
+                                        OV=(cfg.block_size + cfg.cmp_len - 2) // cfg.cmp_stride + 1, num_warps=4)
+        _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
+                            BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
+                            NBP=NBP, num_warps=SELECT_WARPS)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
         _partial_kernel[(BG, hi - lo)](*args, lo, WANT_V=True, WRITE_LOGITS=False, **common)
-    _merge_kernel[(BG,)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out, ws.mix,
-                         ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
-                         BH=p.BH, BDV=p.BDV, DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
-                         HAS_GATE=gate is not None, num_warps=4)
+    BDV_S = min(p.BDV, MERGE_COLS)
+    _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
+                         ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
+                         BH=p.BH, BDV=p.BDV, BDV_S=BDV_S, DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
+                         HAS_GATE=gate is not None, num_warps=MERGE_WARPS)
     for br in branches:
         routing.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}
@@ -382,7 +410,7 @@ class DecodeStep:
     def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES) -> None:
         self.cfg, self.cache, self.branches = cfg, cache, tuple(branches)
         B = cache.k.shape[0]
-        self.plan = plan(cfg, B, cache.k_cmp.shape[1], cache.k.device)
+        self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device)
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
         self.rows = torch.arange(B, device=cache.k.device)
 
