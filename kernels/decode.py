@@ -43,6 +43,7 @@ LOG2E = 1.4426950408889634
 BRANCHES = ("cmp", "sel", "win")
 # launch configuration (H100-tuned; see the decode suite's bench)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
+PARTIAL_STAGES = 1             # software-pipelining stages of a partial program's tile loop
 MAX_TILES = 8                  # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 MERGE_COLS = 32                # d_v columns one merge program covers
@@ -77,7 +78,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
                     CMP_TILES: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
                     NMAX_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_LOGITS: tl.constexpr, STAGES: tl.constexpr):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     b = bg // G
@@ -96,7 +97,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
     if c < C_CMP:
         # compressed token i is usable iff i·d + l − 1 <= t
         n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
-        for ti in tl.static_range(CMP_TILES):
+        for ti in tl.range(CMP_TILES, num_stages=STAGES):
             kpos = (c * CMP_TILES + ti) * BN + offs_n
             valid = kpos < n_cmp
             kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
@@ -108,7 +109,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
             cnt += tl.sum(valid.to(tl.int32), 0)
     elif c < C_CMP + C_WIN:
         lo = tl.maximum(t - WINDOW + 1, 0)
-        for ti in tl.static_range(WIN_TILES):
+        for ti in tl.range(WIN_TILES, num_stages=STAGES):
             kpos = lo + ((c - C_CMP) * WIN_TILES + ti) * BN + offs_n
             valid = kpos <= t
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
@@ -117,7 +118,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
                                      DK, DV, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
     else:
-        for ti in tl.static_range(SEL_TILES):
+        for ti in tl.range(SEL_TILES, num_stages=STAGES):
             slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
             j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
             kpos = j * BLOCK + offs_n
@@ -204,32 +205,30 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr,
+def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr, CP: tl.constexpr,
                  NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr):
     """Log-sum-exp merge of chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]
-    -> (o [BH, BDV_S], tokens read)."""
-    m = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BDV_S], tl.float32)
-    cnt = tl.zeros([], tl.int32)
-    for c in tl.range(lo, hi):
-        out = (bg * NC + c).to(tl.int64)
-        pm = tl.load(PM + out * BH + rows)
-        m_new = tl.maximum(m, pm)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp2(m - m_safe)
-        w = tl.exp2(pm - m_safe)
-        l_i = l_i * a + tl.load(PL + out * BH + rows) * w
-        acc = acc * a[:, None] + tl.load(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :]) * w[:, None]
-        m = m_new
-        cnt += tl.load(PCNT + out)
-    return acc / tl.where(l_i == 0, 1.0, l_i)[:, None], cnt           # no key at all: exactly 0
+    -> (o [BH, BDV_S], tokens read). All chunks are loaded at once (a loop over them would wait
+    on one load after another). CP: hi − lo rounded up to a power of two."""
+    ch = lo + tl.arange(0, CP)
+    ok = ch < hi
+    out = (bg * NC + ch).to(tl.int64)
+    part = out[:, None] * BH + rows[None, :]                           # [CP, BH]
+    pm = tl.load(PM + part, mask=ok[:, None], other=float("-inf"))
+    M = tl.max(pm, 0)
+    w = tl.exp2(pm - tl.where(M == float("-inf"), 0.0, M)[None, :])   # a chunk with no key: 0
+    L = tl.sum(w * tl.load(PL + part, mask=ok[:, None], other=0.0), 0)
+    acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0)
+    acc = tl.sum(acc * w[:, :, None], 0)                               # [BH, BDV_S]
+    cnt = tl.sum(tl.load(PCNT + out, mask=ok, other=0), 0)
+    return acc / tl.where(L == 0, 1.0, L)[:, None], cnt                # no key at all: exactly 0
 
 
 @triton.jit
 def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
                   G: tl.constexpr, H_PER_G: tl.constexpr, DV: tl.constexpr, C_CMP: tl.constexpr,
-                  C_WIN: tl.constexpr, NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
+                  C_WIN: tl.constexpr, NC: tl.constexpr, CP_CMP: tl.constexpr, CP_WIN: tl.constexpr,
+                  CP_SEL: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
@@ -245,25 +244,37 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     plane = B * H * DV                                               # OUT is [3, B, H, d_v]
     first = part == 0                                                # one program writes the reads
     if DO_CMP:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, NC, BH, BDV, BDV_S)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV, BDV_S)
         tl.store(OUT + dst, o.to(OUT.dtype.element_ty), mask=ok)
         tl.store(READS + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if DO_SEL:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, NC, BH, BDV, BDV_S)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH, BDV, BDV_S)
         tl.store(OUT + plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
         tl.store(READS + B * G + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3 + 1, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if DO_WIN:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, NC, BH, BDV, BDV_S)
+        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC, BH, BDV, BDV_S)
         tl.store(OUT + 2 * plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
         tl.store(READS + 2 * B * G + bg, cnt, mask=first)
         if HAS_GATE:
             mix += tl.load(GATE + (b * H + head) * 3 + 2, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
     if HAS_GATE:
         tl.store(MIX + dst, mix.to(MIX.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _append_kernel(K, V, KN, VN, POS, skb, skt, svb, svt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):
+    """Write row b's new k [G, d_k] / v [G, d_v] (contiguous) at its position into the caches."""
+    b = tl.program_id(0)
+    t = tl.load(POS + b).to(tl.int64)
+    ok = tl.arange(0, BK)
+    tl.store(K + b * skb + t * skt + ok, tl.load(KN + b * G * DK + ok, mask=ok < G * DK), mask=ok < G * DK)
+    ov = tl.arange(0, BV)
+    tl.store(V + b * svb + t * svt + ov, tl.load(VN + b * G * DV + ov, mask=ov < G * DV), mask=ov < G * DV)
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -363,7 +374,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, NMAX_P=p.nmax_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BN=p.BN, BDK=p.BDK, BDV=p.BDV,
-                  PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PARTIAL_WARPS)
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
+                  num_warps=PARTIAL_WARPS)
     args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.logits,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
@@ -389,7 +401,9 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     BDV_S = min(p.BDV, MERGE_COLS)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
-                         BH=p.BH, BDV=p.BDV, BDV_S=BDV_S, DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
+                         CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
+                         CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
+                         DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS)
     for br in branches:
         routing.note(phase, br, "triton")
@@ -412,12 +426,13 @@ class DecodeStep:
         B = cache.k.shape[0]
         self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device)
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
-        self.rows = torch.arange(B, device=cache.k.device)
+        assert cache.k.stride(2) == cfg.d_k and cache.v.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
 
     def __call__(self, q, k_new, v_new, pos, gate=None) -> StepOut:
-        c = self.cache
-        at = pos.long()
-        c.k[self.rows, at] = k_new
-        c.v[self.rows, at] = v_new
+        c, cfg = self.cache, self.cfg
+        G = cfg.n_kv_heads
+        _append_kernel[(k_new.shape[0],)](c.k, c.v, k_new.contiguous(), v_new.contiguous(), pos, c.k.stride(0),
+                                          c.k.stride(1), c.v.stride(0), c.v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
+                                          BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v))
         return decode_attention(q, c.k, c.v, c.k_cmp, c.v_cmp, pos, self.cfg, branches=self.branches,
                                 gate=gate, ws=self.ws, p=self.plan)
