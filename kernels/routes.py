@@ -57,10 +57,15 @@ def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **
     return None
 
 
+def _batch_cu(B: int, S: int, device) -> torch.Tensor:
+    """cu_seqlens [B+1] int32 of B equal sequences of S tokens packed one after another."""
+    return torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=device)
+
+
 def prefill_selection(cfg: NSAConfig, q, k, v, idx):
     """q [B, S, H, d_k], k/v [B, S, G, d], idx [B, S, G, n] -> o [B, S, H, d_v] on the Triton kernel."""
     B, S, H, _ = q.shape
-    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+    cu = _batch_cu(B, S, q.device)
     o = selection.selection_attention(q.reshape(B * S, H, -1), k.reshape(B * S, cfg.n_kv_heads, -1),
                                       v.reshape(B * S, cfg.n_kv_heads, -1),
                                       idx.reshape(B * S, cfg.n_kv_heads, -1), cfg.block_size, cu,

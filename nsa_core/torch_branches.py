@@ -116,29 +116,12 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, start: int = 0) -> torch.Tensor:
     return idx
 
 
-def select_blocks_at(q, k_cmp, pos, cfg: NSAConfig, max_len: int) -> torch.Tensor:
-    """Block selection for one new token per batch row with static shapes (no host sync, so a
-    decode step can be captured in a CUDA graph): q [B, H, d_k], the whole compressed cache
-    k_cmp [B, Nmax, G, d_k] of a cache of ``max_len`` tokens (entries past n_cmp(t) are masked,
-    never used), pos [B] = t. Returns idx [B, G, n], equal to ``select_blocks`` at start = t."""
-    B, Nmax = k_cmp.shape[:2]
-    i = torch.arange(Nmax, device=q.device)
-    allowed = (i * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]          # [B, Nmax]
-    s = torch.einsum("bghd,bngd->bghn", q.view(B, cfg.n_kv_heads, cfg.heads_per_group, -1), k_cmp) * cfg.scale
-    p = _softmax_rows(s, allowed[:, None, None, :])                                      # [B, G, h, Nmax]
-    jj = torch.arange(cfg.n_blocks(max_len), device=q.device)
-    first, last = (i * cfg.cmp_stride) // cfg.block_size, (i * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size
-    span_to_block = ((jj[None, :] >= first[:, None]) & (jj[None, :] <= last[:, None])).float()
-    scores = p.sum(dim=2) @ span_to_block                                             # [B, G, NB]
-    return topn_blocks(scores[None], pos.long(), cfg)[0]
-
-
 def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
                   want_used: bool = False):
     """Selected-block attention by gathering the selected tokens (<= t) of each row."""
     routing.note(phase, "sel", "torch")
     B, Sq, H, _ = q.shape
-    G, h, L = cfg.n_kv_heads, cfg.heads_per_group, cfg.block_size
+    G, L = cfg.n_kv_heads, cfg.block_size
     out = q.new_empty(B, Sq, H, cfg.d_v)
     used = torch.zeros(B, Sq, G, dtype=torch.int64, device=q.device)
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)                                # [B, G, S, d]

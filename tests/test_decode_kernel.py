@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from nsa_core import DecodeCache, NSAAttention, reference, routing, tiny
-from nsa_core import torch_branches as tb
 from nsa_validate.tolerance import compare
 
 # the cache is NaN-poisoned past the prefill: under the interpreter a read of it warns, and fails
