@@ -1,4 +1,4 @@
-"""``nsa-validate``: env, list, suite, oneshot, report, profile suggest.
+"""``nsa-validate``: env, list, suite, oneshot, report, compare, baseline save, merge, profile suggest.
 
 Machine output (``--json``) goes to stdout; tables and progress go to stderr (rich turns colour
 off when stderr is not a TTY or NO_COLOR is set). Exit codes: 0 pass, 1 a check failed or
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,7 +20,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nsa_validate import envcheck, junit, profiles, report, rundir, thresholds
+import yaml
+
+from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rundir, thresholds
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import run_suite
@@ -34,7 +38,8 @@ STYLE = {"pass": "green", "ok": "green", "fail": "red", "error": "red", "broken"
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
 ProfileOpt = typer.Option(None, "--profile", help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
 OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: artifacts/)")
-StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run")
+StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run (unless --allow-skips lists it)")
+AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
 def _styled(s: str) -> str:
@@ -84,20 +89,136 @@ def list_cmd(json_out: bool = JsonOpt) -> None:
 @app.command("suite")
 def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
               profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt,
-              strict: bool = StrictOpt, json_out: bool = JsonOpt) -> None:
+              strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt) -> None:
     """Run the named suites."""
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
-    raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False))
+    raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False,
+                          allowed=_allow_list(allow_skips)))
 
 
 @app.command("oneshot")
 def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt, strict: bool = StrictOpt,
-                json_out: bool = JsonOpt,
-                keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken")) -> None:
+                allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
+                keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken"),
+                baseline: Optional[Path] = typer.Option(None, "--baseline", help="run folder or baseline file to gate against"),
+                max_regression: float = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
+                                                     help="slowdown (%) beyond the sample spread that fails"),
+                gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs")) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
-    raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going))
+    base = compare.load(baseline) if baseline is not None else None
+    raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
+                          allowed=_allow_list(allow_skips), baseline=base, max_regression=max_regression,
+                          n_gpus=_gpu_count(gpus)))
+
+
+def _allow_list(path: Path | None) -> dict[str, str]:
+    """The --allow-skips file: a mapping of suite name or 'suite/case' pattern to a non-empty reason."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise UsageError(f"--allow-skips '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--allow-skips '{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--allow-skips '{path}' must map 'suite' or 'suite/case-pattern' to a reason")
+    for k, v in data.items():
+        if not isinstance(v, str) or not v.strip():
+            raise UsageError(f"--allow-skips '{path}': '{k}' has no reason (every allowed skip needs one)")
+        if str(k).split("/")[0] not in SUITES:
+            raise UsageError(f"--allow-skips '{path}': '{k}' names no suite (known: {', '.join(SUITES)})")
+    return {str(k): v.strip() for k, v in data.items()}
+
+
+def _gpu_count(gpus: str | None) -> int:
+    if gpus is None:
+        return 1
+    import torch
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == "all":
+        n = have
+    else:
+        try:
+            n = int(gpus)
+        except ValueError:
+            raise UsageError(f"--gpus takes a number or 'all', not '{gpus}'") from None
+    if n < 1 or n > have:
+        raise UsageError(f"--gpus {gpus}: this machine has {have} visible CUDA GPU(s)")
+    return n
+
+
+@app.command("compare")
+def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
+                baseline: Path = typer.Option(..., "--baseline", help="a run folder or a baseline file"),
+                max_regression: float = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
+                                                     help="slowdown (%) beyond the sample spread that fails"),
+                json_out: bool = JsonOpt) -> None:
+    """Compare a run with a baseline: exit 1 on a regression (correctness or timing beyond noise)."""
+    res = _load_run(run_dir)
+    cmp = compare.compare(compare.from_results(res, str(run_dir)), compare.load(baseline), max_regression)
+    _show_comparison(cmp)
+    if json_out:
+        print(json.dumps(cmp, indent=2))
+    raise typer.Exit(EXIT_FAIL if cmp["status"] == "regression" else EXIT_OK)
+
+
+def _show_comparison(cmp: dict) -> None:
+    t = Table("metric", "baseline", "run", "change", "verdict", title=f"vs baseline {cmp['baseline']}: "
+              f"{_styled('fail' if cmp['status'] == 'regression' else 'pass')} (gate: +{cmp['max_regression_pct']}% "
+              f"beyond the sample spread)", title_justify="left")
+    for r in cmp["rows"]:
+        if r["verdict"] != "ok":
+            t.add_row(escape(r["metric"]), r["baseline"], r["run"], r["change"],
+                      _styled("fail") if r["verdict"] == "regression" else r["verdict"])
+    err.print(t)
+    err.print(f"{sum(r['verdict'] == 'ok' for r in cmp['rows'])} more metrics ok; "
+              f"{len(cmp['regressions'])} regression(s)")
+
+
+baseline_app = typer.Typer(no_args_is_help=True, help="Baselines for `compare` and `oneshot --baseline`.")
+app.add_typer(baseline_app, name="baseline")
+
+
+@baseline_app.command("save")
+def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
+                      name: str = typer.Option(..., "--name", help="baseline name (letters, digits, . _ -)"),
+                      out: Optional[Path] = typer.Option(None, "--out", help="file to write (default baselines/NAME.json)"),
+                      json_out: bool = JsonOpt) -> None:
+    """Save a run's statuses and timings as a baseline, keyed by GPU model, capability and profile."""
+    import re
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise UsageError(f"--name '{name}': use letters, digits, '.', '_' and '-' only")
+    res = _load_run(run_dir)
+    path = out or (rundir.REPO_ROOT / "baselines" / f"{name}.json")
+    data = compare.save(res, run_dir, name, path, rundir.utc_stamp())
+    err.print(f"baseline '{name}' ({data['gpu']} {data['sm']}, profile {data['profile']}): {len(data['cases'])} cases, "
+              f"{len(data['timings'])} timings -> {path}")
+    if json_out:
+        print(json.dumps({"baseline": str(path), "gpu": data["gpu"], "sm": data["sm"], "profile": data["profile"]}))
+
+
+@app.command("merge")
+def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from any machines"),
+              out: Optional[str] = OutOpt, json_out: bool = JsonOpt) -> None:
+    """One fleet report (GPU x suite verdicts and key figures) from many run folders."""
+    runs = [(d, _load_run(d)) for d in run_dirs]
+    root = rundir.check_out(out) / "fleet"
+    root.mkdir(exist_ok=True)
+    folder = root / rundir.utc_stamp()
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = root / f"{rundir.utc_stamp()}-{n}"
+    folder.mkdir()
+    data = fleet.summarise(runs)
+    write_json(folder / "fleet.json", data)
+    (folder / "fleet.md").write_text(fleet.render(data))
+    err.print(f"fleet report of {len(runs)} runs: {folder / 'fleet.md'}")
+    if json_out:
+        print(json.dumps({"report": str(folder / "fleet.md"), "runs": len(runs)}))
 
 
 def _load_run(run_dir: Path) -> dict:
@@ -165,28 +286,36 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool) -> int:
+def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
+         allowed: dict[str, str] | None = None, baseline: dict | None = None,
+         max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1) -> int:
     import torch
 
     prof = profiles.load(profile) if profile else profiles.auto_profile()
     root = rundir.check_out(out)
     gpu = torch.cuda.is_available()
     device = "cuda" if prof.device == "cuda" and gpu else "cpu"
+    rep = envcheck.collect()
+    if baseline is not None:       # a baseline from another machine is refused before anything runs
+        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name), baseline)
     git = rundir.git_info()
     run_dir = rundir.create(root, git)
+    shards = _shard(names, prof, n_gpus)
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
                 "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
-                "ended": None, "status": "running"}
+                "ended": None, "status": "running", "allowed_skips": allowed or {},
+                "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None}
     if prof.device == "cuda" and not gpu:
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     write_json(run_dir / "manifest.json", manifest)
     err.print(f"run folder: {run_dir}")
-    rep = envcheck.collect()
     write_json(run_dir / "env.json", rep.to_dict())
     show_env(rep)
     results: dict[str, SuiteResult] = {}
     status = "complete"
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if gate_env and rep.verdict == "broken":
@@ -195,15 +324,32 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
         else:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=False) as bar:
-                for name in names:
-                    task = bar.add_task(f"{name:9s}", total=None)
-                    ctx = RunContext(profile=prof, device=device, strict=strict)
-                    results[name] = run_suite(SUITES[name], ctx, run_dir,
-                                              lambda done, total: bar.update(task, completed=done, total=total))
-                    s = results[name]
-                    bar.update(task, description=f"{name:9s} {s.status}", completed=len(s.cases), total=len(s.cases))
+                def work(queue: list[str], gpu_index: int | None) -> None:
+                    for name in queue:
+                        if stop.is_set():
+                            return
+                        where = f" gpu{gpu_index}" if gpu_index is not None else ""
+                        task = bar.add_task(f"{name:9s}{where}", total=None)
+                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index)
+                        results[name] = run_suite(SUITES[name], ctx, run_dir,
+                                                  lambda done, total: bar.update(task, completed=done, total=total),
+                                                  stop.is_set)
+                        s = results[name]
+                        bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
+                                   total=len(s.cases))
+                if n_gpus == 1:
+                    work(shards[0], None)
+                else:              # one thread per GPU, each running its suites one after another
+                    threads = [threading.Thread(target=work, args=(q, i), daemon=True) for i, q in enumerate(shards)]
+                    for th in threads:
+                        th.start()
+                    while any(th.is_alive() for th in threads):
+                        time.sleep(0.2)
     except KeyboardInterrupt:
         status = "interrupted"
+        stop.set()                 # each shard kills its suite process and returns
+        for th in threads:
+            th.join(timeout=60)
         err.print("[yellow]interrupted[/]: writing what was finished")
     finally:
         signal.signal(signal.SIGTERM, old)
@@ -211,17 +357,31 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
             if name not in results and status != "env-broken":
                 results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
                                             cases=[CaseRecord("not-run", name, "skip", f"run {status}")])
-        res = _finish(run_dir, manifest, rep, prof, results, strict, status)
+        results = {n: results[n] for n in names if n in results}
+        res = _finish(run_dir, manifest, rep, prof, results, strict, status, allowed, baseline, max_regression)
     _show_verdict(res, run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(run_dir), "status": status, "verdict": res["verdict"],
-                          "suites": {n: {"status": s["status"], "counts": s["counts"]} for n, s in res["suites"].items()}},
+                          "suites": {n: {"status": s["status"], "counts": s["counts"]} for n, s in res["suites"].items()},
+                          **({"comparison": {k: res["comparison"][k] for k in ("status", "regressions")}}
+                             if res.get("comparison") else {})},
                          indent=2))
     if status == "interrupted":
         return EXIT_INTERRUPTED
     if status == "env-broken":
         return EXIT_ENV_BROKEN
     return EXIT_OK if res["verdict"]["status"] == "pass" else EXIT_FAIL
+
+
+def _shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:
+    """Suites per GPU: longest first (the profile's timeouts as the estimate) to the least loaded GPU;
+    each queue keeps the suites' listed order."""
+    load, queues = [0] * n_gpus, [[] for _ in range(n_gpus)]
+    for name in sorted(names, key=lambda n: -prof.timeout(n)):
+        i = load.index(min(load))
+        load[i] += prof.timeout(name)
+        queues[i].append(name)
+    return [[n for n in names if n in q] for q in queues]
 
 
 def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
@@ -237,14 +397,22 @@ def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
             "executed": {k: sorted(v) for k, v in sorted(executed.items())}}
 
 
-def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, status: str) -> dict:
+def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, status: str,
+            allowed: dict[str, str] | None = None, baseline: dict | None = None,
+            max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT) -> dict:
     manifest.update(ended=rundir.utc_now(), status=status)
     res = {"schema_version": SCHEMA_VERSION, "manifest": manifest, "env": rep.to_dict(), "profile": prof.to_dict(),
            "routing": _routing(prof, results), "suites": {n: s.to_dict() for n, s in results.items()},
-           "verdict": verdict(results, strict)}
+           "verdict": verdict(results, strict, allowed)}
     if status != "complete":
         res["verdict"]["status"] = "fail"
         res["verdict"]["blocking"].insert(0, f"run {status}")
+    if baseline is not None:
+        res["comparison"] = compare.compare(compare.from_results(res, str(run_dir)), baseline, max_regression)
+        _show_comparison(res["comparison"])
+        if res["comparison"]["status"] == "regression":
+            res["verdict"]["status"] = "fail"
+            res["verdict"]["blocking"] += [f"regression vs baseline: {r}" for r in res["comparison"]["regressions"]]
     write_json(run_dir / "routing.json", res["routing"])
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")

@@ -20,6 +20,7 @@ class RunContext:
     device: str                       # "cuda" | "cpu"
     out_dir: str = ""                 # where a suite may write CSVs and plots ("" = don't)
     strict: bool = False
+    gpu_index: int | None = None      # `oneshot --gpus`: the local GPU this suite runs on
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -95,9 +95,17 @@ def render(res: dict) -> str:
 
     if res.get("comparison"):
         cmpd = res["comparison"]
-        out += ["## Differences vs baseline", "", f"Baseline: `{cmpd.get('baseline')}`: {cmpd.get('status')}", "",
-                md_table(cmpd.get("rows", []))]
+        shown = [r for r in cmpd.get("rows", []) if r["verdict"] != "ok"]
+        out += ["## Differences vs baseline", "",
+                f"Baseline: `{cmpd.get('baseline')}`: **{cmpd.get('status')}** (a timing regresses when its median is "
+                f"more than {cmpd.get('max_regression_pct')}% slower and its p20-p80 band lies above the baseline's); "
+                f"{len(cmpd.get('rows', [])) - len(shown)} metrics unchanged within that rule.", "",
+                md_table(shown)]
 
+    if v.get("allowed_skips"):
+        out += ["## Skips allowed in --strict (allow-list)", "",
+                md_table([{"case": a["case"], "skip reason": a["skip_reason"], "allowed because": a["allowed_because"]}
+                          for a in v["allowed_skips"]])]
     skips = [{"suite": n, "case": c["id"], "reason": c["reason"]}
              for n, s in res["suites"].items() for c in s["cases"] if c["status"] == "skip"]
     if skips:

@@ -28,6 +28,9 @@ def suite_env(ctx: RunContext) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     if ctx.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
+    if ctx.gpu_index is not None:      # a shard of `oneshot --gpus`: this suite sees one GPU
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[ctx.gpu_index] if visible else str(ctx.gpu_index)
     return env
 
 
@@ -53,7 +56,8 @@ def not_implemented(suite: Suite) -> SuiteResult:
 
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
-              on_progress: Callable[[int, int | None], None] = lambda done, total: None) -> SuiteResult:
+              on_progress: Callable[[int, int | None], None] = lambda done, total: None,
+              should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
     if suite.module is None:
         return not_implemented(suite)
     ctx_path = run_dir / "suites" / f"{suite.name}.context.json"
@@ -80,6 +84,9 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
                 on_progress(len(done), total)
                 if time.monotonic() - t0 > timeout:
                     problem = f"timed out after {timeout}s"
+                    break
+                if should_stop():
+                    problem = "interrupted"
                     break
         finally:
             if proc.poll() is None:

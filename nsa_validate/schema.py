@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,22 +68,37 @@ def suite_status(cases: list[CaseRecord], process_error: str = "") -> str:
     return "pass"
 
 
+def allowed_reason(allowed_skips: dict[str, str], suite: str, case: str) -> str | None:
+    """The allow-list's reason for skipping ``suite/case``: a key is a suite name or a
+    ``suite/case`` pattern where ``*`` matches anything (brackets are literal: case ids have them)."""
+    for pattern, reason in allowed_skips.items():
+        rx = ".*".join(re.escape(part) for part in pattern.split("*"))
+        if pattern == suite or re.fullmatch(rx, f"{suite}/{case}"):
+            return reason
+    return None
+
+
 def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[str, str] | None = None) -> dict:
-    """Overall verdict from data. ``allowed_skips``: case id or suite name -> reason (strict mode)."""
+    """Overall verdict from data. ``allowed_skips``: suite name or ``suite/case`` pattern -> reason;
+    under ``strict`` every other skip blocks."""
     allowed_skips = allowed_skips or {}
     totals = {s: 0 for s in STATUSES}
-    blocking = []
+    blocking, allowed = [], []
     for name, s in suites.items():
         for c in s.cases:
             totals[c.status] += 1
             if c.status in ("fail", "error"):
                 blocking.append(f"{name}/{c.id}: {c.status}")
-            elif c.status == "skip" and strict and c.id not in allowed_skips and name not in allowed_skips:
-                blocking.append(f"{name}/{c.id}: skipped in --strict ({c.reason})")
+            elif c.status == "skip" and strict:
+                why = allowed_reason(allowed_skips, name, c.id)
+                if why is None:
+                    blocking.append(f"{name}/{c.id}: skipped in --strict ({c.reason})")
+                else:
+                    allowed.append({"case": f"{name}/{c.id}", "skip_reason": c.reason, "allowed_because": why})
         if s.status == "error" and not any(c.status == "error" for c in s.cases):
             blocking.append(f"{name}: error ({s.reason})")
     status = "pass" if not blocking else "fail"
-    return {"status": status, "strict": strict, "totals": totals, "blocking": blocking}
+    return {"status": status, "strict": strict, "totals": totals, "blocking": blocking, "allowed_skips": allowed}
 
 
 def _clean(o):

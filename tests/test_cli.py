@@ -146,8 +146,10 @@ def _fa2_expected() -> str:
 
 def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
     prof = _small_profile(tmp_path)
-    for _ in range(2):
-        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--json")
+    for i in range(2):
+        # the second run gates on the first inline (CPU timings are noise: a wide gate here)
+        gate = ["--baseline", str(run_dirs(tmp_path / "runs")[0]), "--max-regression", "1000"] if i else []
+        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--json", *gate)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout)
         for name in ("sanity", "counters"):
@@ -162,6 +164,8 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         for f in RUN_FILES:
             assert (d / f).is_file(), f
         assert json.loads((d / "manifest.json").read_text())["status"] == "complete"
+    assert "## Differences vs baseline" in (dirs[1] / "report.md").read_text()
+    assert json.loads((dirs[1] / "results.json").read_text())["comparison"]["status"] == "pass"
     md = (dirs[0] / "report.md").read_text()
     assert "paper Table 4" in md and "| 65536 |" in md
     assert ("decode step (SPEC §6)" in md) == (_triton_expected() == "pass")

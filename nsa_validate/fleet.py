@@ -1,0 +1,74 @@
+"""Fleet report (``nsa-validate merge``): one table of GPU × suite verdicts and key figures from
+run folders made on many machines. Reads only each run's results.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from nsa_validate.report import md_table
+
+
+def _key_figures(res: dict) -> dict:
+    """The headline numbers a fleet owner compares across machines, where the run measured them."""
+    suites, out = res["suites"], {}
+    for c in (suites.get("decode") or {}).get("cases", []):
+        at = (c.get("metrics") or {}).get("checked_at")
+        if c["id"] == "roofline_table" and at:
+            row = next((x["metrics"].get("row", {}) for x in suites["decode"]["cases"]
+                        if x["id"] == f"bench[B{at['B']}-S{at['S']}]"), {})
+            out["decode step (B, S)"] = f"{row.get('step_ms', float('nan')):.4f} ms ({at['B']}, {at['S']})"
+            out["decode % copy bw"] = _num(at.get("pct_copy_bw"), 1)
+            out["decode x dense"] = _num(at.get("speedup_vs_dense"), 2)
+    for c in (suites.get("triton") or {}).get("cases", []):
+        m = c.get("metrics") or {}
+        if c["id"].startswith("bench[") and "sel_fwd" in m:
+            S = c["id"][len("bench[S"):-1]
+            out["sel fwd/bwd ms @" + S] = f"{m['sel_fwd']['median_ms']:.2f} / {m['sel_bwd']['median_ms']:.2f}"
+    sug = ((suites.get("fa2") or {}).get("extra") or {}).get("suggest")
+    if sug:
+        out["FA-2 suggestion"] = ", ".join(f"{k}={v}" for k, v in sug.items())
+    return out
+
+
+def _num(x, digits):
+    try:
+        return f"{float(x):.{digits}f}"
+    except (TypeError, ValueError):
+        return ""
+
+
+def summarise(runs: list[tuple[Path, dict]]) -> dict:
+    rows = []
+    for path, res in runs:
+        facts = (res.get("env") or {}).get("facts") or {}
+        gpu = facts.get("gpu") or {}
+        man = res["manifest"]
+        rows.append({"run": str(path), "GPU": gpu.get("name", "none (CPU)"), "SM": gpu.get("sm", "-"),
+                     "torch": facts.get("torch"), "triton": facts.get("triton"),
+                     "commit": f"{(man.get('commit') or 'nogit')[:7]}{' (dirty)' if man.get('dirty') else ''}",
+                     "profile": man.get("profile"), "started": man.get("started"),
+                     "verdict": res["verdict"]["status"] + (" (strict)" if res["verdict"].get("strict") else ""),
+                     "suites": {n: s["status"] for n, s in res["suites"].items()},
+                     "counts": res["verdict"]["totals"], "figures": _key_figures(res),
+                     "blocking": res["verdict"]["blocking"][:5]})
+    return {"runs": rows, "verdict": "pass" if all(r["verdict"].startswith("pass") for r in rows) else "fail"}
+
+
+def render(data: dict) -> str:
+    rows = data["runs"]
+    suites = list(dict.fromkeys(n for r in rows for n in r["suites"]))
+    figures = list(dict.fromkeys(k for r in rows for k in r["figures"]))
+    out = [f"# nsa-validate fleet report: {data['verdict'].upper()}", "", f"{len(rows)} runs.", "",
+           "## Verdicts", "",
+           md_table([{"GPU": r["GPU"], "SM": r["SM"], "verdict": r["verdict"],
+                      **{n: r["suites"].get(n, "-") for n in suites},
+                      "pass/fail/error/skip": "/".join(str(r["counts"][k]) for k in ("pass", "fail", "error", "skip")),
+                      "commit": r["commit"], "profile": r["profile"]} for r in rows]),
+           "## Key figures", "",
+           md_table([{"GPU": r["GPU"], **{k: r["figures"].get(k, "") for k in figures}} for r in rows]),
+           "## Runs", "",
+           md_table([{"GPU": r["GPU"], "run": r["run"], "started": r["started"], "torch": r["torch"],
+                      "triton": r["triton"]} for r in rows])]
+    bad = [{"GPU": r["GPU"], "blocking": b} for r in rows for b in r["blocking"]]
+    if bad:
+        out += ["## What blocks a pass (first five per run)", "", md_table(bad)]
+    return "\n".join(out)

@@ -1,0 +1,151 @@
+"""The CI gate: `compare`, `baseline save`, `--strict` with an allow-list, `merge`, `--gpus` sharding.
+
+Run folders here are synthetic results.json files with the shape the suites write (a decode bench
+case carrying ``timing.Timing.summary()`` metrics), so each rule is tested on exact numbers."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nsa_validate import timing
+from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, verdict, write_json
+from tests.test_cli import cli
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "sm": "sm90"}
+H200 = {"name": "NVIDIA H200", "sm": "sm90"}
+
+
+def _timing(median_ms: float, spread: float, seed: int) -> dict:
+    """A Timing summary of 50 samples around median_ms, ±spread (relative)."""
+    rng = random.Random(seed)
+    samples = [median_ms * (1 + rng.uniform(-spread, spread)) for _ in range(50)]
+    return timing.Timing("cuda_graph", samples, 3, True).summary()
+
+
+def make_run(root: Path, name: str, step_ms: float = 0.142, spread: float = 0.01, gpu=H100, seed: int = 0,
+             parity: str = "pass", profile: str = "sm90") -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    suites = {
+        "decode": SuiteResult("decode", "pass", 10.0, [
+            CaseRecord("parity[S65536]", "decode", parity, "" if parity == "pass" else "o_sel: max-abs 3.1e-2 > bound"),
+            CaseRecord("bench[B16-S65536]", "decode", "pass",
+                       metrics={"graph": _timing(step_ms, spread, seed), "eager": _timing(0.22, spread, seed + 1),
+                                "row": {"step_ms": step_ms}}),
+            CaseRecord("roofline_table", "decode", "pass",
+                       metrics={"checked_at": {"B": 16, "S": 65536, "pct_copy_bw": 54.1, "speedup_vs_dense": 7.75}})]),
+        "fa2": SuiteResult("fa2", "skip", 0.1, [CaseRecord("window_branch[flash_attn-bf16]", "fa2", "skip",
+                                                           "flash_attn: flash-attn is not installed")]),
+    }
+    res = {"schema_version": SCHEMA_VERSION,
+           "manifest": {"started": "2026-11-21T00:00:00+00:00", "status": "complete", "commit": "abc1234",
+                        "dirty": False, "command": ["nsa-validate", "oneshot"], "profile": profile},
+           "env": {"verdict": "ok", "facts": {"gpu": gpu, "torch": "2.11.0", "triton": "3.6.0"}},
+           "suites": {n: s.to_dict() for n, s in suites.items()}, "verdict": verdict(suites, strict=False)}
+    write_json(d / "results.json", res)
+    return d
+
+
+def test_identical_runs_pass(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["status"] == "pass"
+
+
+def test_20pct_slower_decode_step_is_a_regression(tmp_path):
+    a, b = make_run(tmp_path, "a", 0.142), make_run(tmp_path, "b", 0.142 * 1.2, seed=7)
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 1, r.stderr
+    regs = json.loads(r.stdout)["regressions"]
+    assert len(regs) == 1 and regs[0].startswith("decode/bench[B16-S65536]/graph"), regs
+    assert 15 < float(regs[0].rsplit("(+", 1)[1].rstrip("%)")) < 25, regs
+
+
+def test_slowdown_inside_the_recorded_noise_passes(tmp_path):
+    """+12% on the median is past the 10% gate, but the samples spread ±25%: the bands overlap."""
+    a, b = make_run(tmp_path, "a", 0.142, spread=0.25), make_run(tmp_path, "b", 0.142 * 1.12, spread=0.25, seed=3)
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {x["metric"]: x for x in json.loads(r.stdout)["rows"]}
+    assert rows["decode/bench[B16-S65536]/graph"]["verdict"] == "within noise"
+
+
+def test_a_check_that_now_fails_is_a_regression(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b", parity="fail")
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 1 and "decode/parity[S65536]: pass -> fail" in json.loads(r.stdout)["regressions"]
+
+
+def test_baseline_file_roundtrip_and_another_gpu_is_refused(tmp_path):
+    a = make_run(tmp_path, "a")
+    f = tmp_path / "bl" / "h100.json"
+    r = cli("baseline", "save", str(a), "--name", "h100", "--out", str(f), "--json")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads(f.read_text())
+    assert saved["gpu"] == H100["name"] and saved["sm"] == "sm90" and saved["profile"] == "sm90"
+    assert cli("compare", str(make_run(tmp_path, "b", seed=1)), "--baseline", str(f)).returncode == 0
+    r = cli("baseline", "save", str(a), "--name", "h100", "--out", str(f))      # again: the old one is kept
+    assert r.returncode == 0 and len(list(f.parent.glob("h100.json.bak-*"))) == 1
+    r = cli("compare", str(make_run(tmp_path, "c", gpu=H200)), "--baseline", str(f))
+    assert r.returncode == 2 and "another machine" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["missing-dir", "not-a-baseline"])
+def test_bad_baseline_is_a_usage_error(tmp_path, bad):
+    a = make_run(tmp_path, "a")
+    target = tmp_path / bad
+    if bad == "not-a-baseline":
+        target.write_text("{}")
+    r = cli("compare", str(a), "--baseline", str(target))
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_strict_allow_list():
+    s = {"fa2": SuiteResult("fa2", "skip", 0, [CaseRecord("window_branch[flash_attn-bf16]", "fa2", "skip", "no FA")]),
+         "decode": SuiteResult("decode", "skip", 0, [CaseRecord("bench[B16-S131072]", "decode", "skip", "OOM guard")])}
+    v = verdict(s, strict=True, allowed_skips={"fa2/window_branch[flash_attn-*]": "no flash-attn wheel for this CUDA"})
+    assert v["status"] == "fail" and v["blocking"] == ["decode/bench[B16-S131072]: skipped in --strict (OOM guard)"]
+    assert v["allowed_skips"][0]["allowed_because"] == "no flash-attn wheel for this CUDA"
+    v = verdict(s, strict=True, allowed_skips={"fa2": "x", "decode/bench[*]": "y"})
+    assert v["status"] == "pass"
+
+
+def test_allow_list_file_needs_a_reason_per_entry(tmp_path):
+    f = tmp_path / "allow.yaml"
+    f.write_text(yaml.safe_dump({"fa2": ""}))
+    r = cli("suite", "sanity", "--strict", "--allow-skips", str(f), "--out", str(tmp_path))
+    assert r.returncode == 2 and "has no reason" in r.stderr
+    f.write_text(yaml.safe_dump({"nosuch/x": "because"}))
+    r = cli("suite", "sanity", "--strict", "--allow-skips", str(f), "--out", str(tmp_path))
+    assert r.returncode == 2 and "names no suite" in r.stderr
+
+
+def test_merge_two_gpus_renders_one_report(tmp_path):
+    a, b = make_run(tmp_path, "a", gpu=H100), make_run(tmp_path, "b", gpu=H200, step_ms=0.12)
+    r = cli("merge", str(a), str(b), "--out", str(tmp_path / "out"), "--json")
+    assert r.returncode == 0, r.stderr
+    md = Path(json.loads(r.stdout)["report"]).read_text()
+    assert md.count("NVIDIA H100 80GB HBM3") >= 2 and md.count("NVIDIA H200") >= 2
+    assert md.count("# nsa-validate fleet report") == 1 and "decode x dense" in md and "0.1200 ms (16, 65536)" in md
+    r = cli("merge", str(a), str(tmp_path / "nope"))
+    assert r.returncode == 2 and "no results.json" in r.stderr
+
+
+def test_gpus_flag_is_checked():
+    r = cli("oneshot", "--gpus", "two")
+    assert r.returncode == 2 and "--gpus takes a number" in r.stderr
+    r = cli("oneshot", "--gpus", "64")
+    assert r.returncode == 2 and "visible CUDA GPU" in r.stderr
+
+
+def test_shards_balance_by_the_profile_timeouts():
+    from nsa_validate.cli import _shard
+    from nsa_validate.profiles import load
+    prof = load("sm90")
+    names = ["sanity", "triton", "fa2", "decode", "counters"]
+    shards = _shard(names, prof, 2)
+    assert sorted(n for q in shards for n in q) == sorted(names) and all(shards)
+    assert _shard(names, prof, 1) == [names]
