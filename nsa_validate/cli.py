@@ -25,7 +25,7 @@ import yaml
 from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rundir, thresholds
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from nsa_validate.runner import run_suite
+from nsa_validate.runner import SuiteInterrupted, run_suite
 from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
 from suites import SUITES
 
@@ -345,8 +345,10 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
                         th.start()
                     while any(th.is_alive() for th in threads):
                         time.sleep(0.2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         status = "interrupted"
+        if isinstance(e, SuiteInterrupted):    # the suite in flight: keep the cases it finished
+            results[e.result.name] = e.result
         stop.set()                 # each shard kills its suite process and returns
         for th in threads:
             th.join(timeout=60)

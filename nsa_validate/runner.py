@@ -77,6 +77,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         problem = ""
+        interrupted = False
         try:
             while proc.poll() is None:
                 time.sleep(0.3)
@@ -88,6 +89,8 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
                 if should_stop():
                     problem = "interrupted"
                     break
+        except KeyboardInterrupt:      # keep the cases this suite finished; the caller re-raises
+            problem, interrupted = "interrupted", True
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -105,5 +108,16 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         cases.append(CaseRecord("suite-process", suite.name, "error", f"{problem}; see logs/{suite.name}.log"))
     extra_path = Path(ctx.out_dir) / "extra.json"
     extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
-    return SuiteResult(suite.name, suite_status(cases, problem), round(time.monotonic() - t0, 2), cases,
-                       reason=problem, log=f"logs/{suite.name}.log", returncode=rc, extra=extra)
+    result = SuiteResult(suite.name, suite_status(cases, problem), round(time.monotonic() - t0, 2), cases,
+                         reason=problem, log=f"logs/{suite.name}.log", returncode=rc, extra=extra)
+    if interrupted:
+        raise SuiteInterrupted(result)
+    return result
+
+
+class SuiteInterrupted(KeyboardInterrupt):
+    """Ctrl-C / SIGTERM during a suite: carries what that suite finished."""
+
+    def __init__(self, result: SuiteResult) -> None:
+        super().__init__("interrupted")
+        self.result = result

@@ -104,6 +104,10 @@ def test_sigint_leaves_folder_marked_interrupted(tmp_path):
     res = json.loads((d / "results.json").read_text())
     assert man["status"] == "interrupted" and res["verdict"]["status"] == "fail"
     assert (d / "report.md").is_file() and "Traceback" not in stderr
+    # the suite in flight keeps the cases it finished, and says it was interrupted
+    counters = res["suites"]["counters"]
+    assert counters["reason"] == "interrupted" and counters["cases"][-1]["id"] == "suite-process"
+    assert res["suites"]["sanity"]["cases"][0]["id"] == "not-run"
 
 
 def _small_profile(tmp_path) -> Path:
