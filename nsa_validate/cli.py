@@ -39,6 +39,8 @@ JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on std
 ProfileOpt = typer.Option(None, "--profile", help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
 OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: artifacts/)")
 StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run (unless --allow-skips lists it)")
+MaxRegOpt = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
+                         help="slowdown (%) beyond the sample spread that fails")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
@@ -103,8 +105,7 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
                 allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
                 keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken"),
                 baseline: Optional[Path] = typer.Option(None, "--baseline", help="run folder or baseline file to gate against"),
-                max_regression: float = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
-                                                     help="slowdown (%) beyond the sample spread that fails"),
+                max_regression: float = MaxRegOpt,
                 gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs")) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     base = compare.load(baseline) if baseline is not None else None
@@ -153,8 +154,7 @@ def _gpu_count(gpus: str | None) -> int:
 @app.command("compare")
 def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                 baseline: Path = typer.Option(..., "--baseline", help="a run folder or a baseline file"),
-                max_regression: float = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
-                                                     help="slowdown (%) beyond the sample spread that fails"),
+                max_regression: float = MaxRegOpt,
                 json_out: bool = JsonOpt) -> None:
     """Compare a run with a baseline: exit 1 on a regression (correctness or timing beyond noise)."""
     res = _load_run(run_dir)
@@ -205,14 +205,7 @@ def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from
               out: Optional[str] = OutOpt, json_out: bool = JsonOpt) -> None:
     """One fleet report (GPU x suite verdicts and key figures) from many run folders."""
     runs = [(d, _load_run(d)) for d in run_dirs]
-    root = rundir.check_out(out) / "fleet"
-    root.mkdir(exist_ok=True)
-    folder = root / rundir.utc_stamp()
-    n = 1
-    while folder.exists():
-        n += 1
-        folder = root / f"{rundir.utc_stamp()}-{n}"
-    folder.mkdir()
+    folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
     data = fleet.summarise(runs)
     write_json(folder / "fleet.json", data)
     (folder / "fleet.md").write_text(fleet.render(data))

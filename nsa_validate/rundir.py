@@ -49,18 +49,23 @@ def check_out(out: str | None) -> Path:
 def create(root: Path, git: dict) -> Path:
     stamp = utc_stamp()
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
-    parent = root / (git["short"] + ("-dirty" if git["dirty"] else ""))
+    d = fresh_dir(root / (git["short"] + ("-dirty" if git["dirty"] else "")), f"{stamp}-{host}")
+    for sub in ("suites", "logs", "junit"):
+        (d / sub).mkdir()
+    return d
+
+
+def fresh_dir(parent: Path, name: str) -> Path:
+    """Create and return ``parent/name`` (or ``name-2``, ``name-3`` …): never an existing folder."""
     parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, 1000):
-        d = parent / (f"{stamp}-{host}" + (f"-{n}" if n > 1 else ""))
+        d = parent / (name + (f"-{n}" if n > 1 else ""))
         try:
             d.mkdir()
         except FileExistsError:
             continue
-        for sub in ("suites", "logs", "junit"):
-            (d / sub).mkdir()
         return d
-    raise UsageError(f"could not create a fresh run folder under {parent}")
+    raise UsageError(f"could not create a fresh folder under {parent}")
 
 
 def utc_now() -> str:
