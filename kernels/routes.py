@@ -6,16 +6,12 @@ one-line reason when the kernel cannot run for this query (so a fallback is alwa
 """
 from __future__ import annotations
 
-import os
-
 import torch
-from packaging.version import Version
 
 from nsa_core import routing
 from nsa_core.config import NSAConfig
 from kernels import fa2
-
-INTERPRETER_MIN = (3, 9)     # oldest triton whose interpreter we ran the kernels on
+from kernels.interpreter import interpreting, probe
 
 try:
     import triton
@@ -27,11 +23,6 @@ except ImportError as e:                      # a pod without triton still runs 
     _TRITON_MISSING = f"triton does not import ({e})"
 
 
-def interpreting() -> bool:
-    """Triton's own switch: kernels run on CPU tensors through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **_) -> str | None:
     """Why a Triton kernel cannot run for this query (None: it can)."""
     if _TRITON_MISSING:
@@ -40,10 +31,9 @@ def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **
     if dev is not None and dev.type == "cpu":
         if not interpreting():
             return "tensors are on the CPU and TRITON_INTERPRET is not set"
-        if Version(triton.__version__).release < INTERPRETER_MIN:
-            return (f"the interpreter of triton {triton.__version__} cannot run the backward's data-dependent "
-                    f"loops (scalar loads come back as 1-element arrays; verified broken on 3.6.0, "
-                    f"working on 3.9.0)")
+        broken = probe()
+        if broken:
+            return f"the interpreter of triton {triton.__version__} failed the capability probe: {broken}"
         if dtype == torch.bfloat16:
             return "bf16 under the Triton interpreter gives wrong results (fp32/fp16 only)"
     if dev is not None and dev.type == "cuda":

@@ -142,6 +142,45 @@ def check_cuda_driver(runtime: str | None, driver: int | None) -> Finding:
                    "PTX JIT of newer code can fail)", "upgrade the NVIDIA driver")
 
 
+def check_interpreter(gpu: bool, probe: dict | None, triton_pinned_by_torch: bool) -> Finding:
+    """Triton's interpreter on a CPU machine: ``probe`` is what ``python -m kernels.interpreter``
+    printed ({ok, error, triton}) or None when it could not be run (the error then in ``probe_error``)."""
+    if gpu:
+        return Finding("triton interpreter", "n/a", "a GPU is visible: the Triton kernels run natively")
+    if probe is None:
+        return Finding("triton interpreter", "degraded", "the interpreter capability probe could not run",
+                       "see `python -m kernels.interpreter` with TRITON_INTERPRET=1 for the error")
+    if probe.get("ok"):
+        return Finding("triton interpreter", "ok", f"triton {probe.get('triton')}'s interpreter ran the capability "
+                       "probe correctly: the triton and decode suites run their kernels on this CPU")
+    how = ("torch pins this triton, so upgrade torch to a release whose pinned triton passes"
+           if triton_pinned_by_torch else "pip install -U triton (this torch pins no triton)")
+    return Finding("triton interpreter", "degraded",
+                   f"triton {probe.get('triton')}'s interpreter fails the capability probe ({probe.get('error')}): "
+                   "the Triton kernels' cases skip on this CPU with that reason",
+                   f"{how}; seen passing: triton 3.8.0 (torch 2.14.1), 3.9.0 (CPU torch 2.13.0); seen failing: 3.6.0")
+
+
+def run_interpreter_probe(timeout: float = 180) -> tuple[dict | None, str | None]:
+    """Run ``kernels.interpreter`` in a child process under TRITON_INTERPRET=1 (Triton reads the
+    switch when a kernel is defined, so this process's own kernels are unaffected)."""
+    import json
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    try:
+        p = subprocess.run([sys.executable, "-m", "kernels.interpreter"], capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO_ROOT, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    for line in reversed(p.stdout.strip().splitlines()):
+        try:
+            return json.loads(line), None
+        except json.JSONDecodeError:
+            continue
+    return None, (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]
+
+
 def check_kernels_shadow(origin: str | None, repo_root: Path = REPO_ROOT) -> Finding:
     want = (repo_root / "kernels" / "__init__.py").resolve()
     if origin is None:
@@ -294,7 +333,15 @@ def collect() -> EnvReport:
     rep.findings.append(fa)
     f["varlen_attn"] = _has_module("torch.nn.attention.varlen")
     spec = importlib.util.find_spec("kernels")
-    rep.findings.append(check_kernels_shadow(spec.origin if spec else None))
+    shadow = check_kernels_shadow(spec.origin if spec else None)
+    rep.findings.append(shadow)
+    if not gpu and platform.system() == "Linux" and shadow.status == "ok" and f["triton"]:
+        probe, why = run_interpreter_probe()
+        f["interpreter_probe"] = probe or {"ok": False, "error": why}
+        rep.findings.append(check_interpreter(gpu, probe, triton_pin(requires) is not None))
+    else:
+        rep.findings.append(check_interpreter(gpu, {"ok": True}, False) if gpu else
+                            Finding("triton interpreter", "n/a", "not probed (no triton, or `kernels` is not this repo's)"))
     return rep
 
 

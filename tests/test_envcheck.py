@@ -84,3 +84,14 @@ def test_collect_runs_here():
     rep = ec.collect()
     assert rep.verdict in ("ok", "degraded", "broken")
     assert rep.facts["torch"] and Path(__file__).exists()
+
+
+def test_interpreter_finding_names_the_probe_error_and_the_fix():
+    bad = {"ok": False, "error": "InterpreterError: TypeError('only 0-dimensional arrays')", "triton": "3.6.0"}
+    f = ec.check_interpreter(False, bad, triton_pinned_by_torch=True)
+    assert f.status == "degraded" and "0-dimensional" in f.detail and "3.6.0" in f.detail
+    assert "upgrade torch" in f.fix
+    assert "pip install -U triton" in ec.check_interpreter(False, bad, triton_pinned_by_torch=False).fix
+    assert ec.check_interpreter(False, {"ok": True, "triton": "3.8.0"}, True).status == "ok"
+    assert ec.check_interpreter(True, None, True).status == "n/a"
+    assert ec.check_interpreter(False, None, True).status == "degraded"

@@ -25,7 +25,7 @@ def test_fallback_carries_the_reason():
 
 
 def test_unavailable_reasons(monkeypatch):
-    monkeypatch.setattr(routes, "INTERPRETER_MIN", (0,))
+    monkeypatch.setattr(routes, "probe", lambda: None)        # an interpreter that passed the probe
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "TRITON_INTERPRET is not set" in routes.triton_unavailable(device="cpu", dtype=torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -33,7 +33,8 @@ def test_unavailable_reasons(monkeypatch):
     assert routes.triton_unavailable(device="cpu", dtype=torch.float16, cfg=tiny(block_size=16)) is None
 
 
-def test_old_interpreter_is_refused_with_the_reason(monkeypatch):
+def test_interpreter_that_fails_the_probe_is_refused_with_the_probe_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(routes, "INTERPRETER_MIN", (99,))
-    assert "interpreter of triton" in routes.triton_unavailable(device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(routes, "probe", lambda: "InterpreterError: TypeError('only 0-dimensional arrays')")
+    why = routes.triton_unavailable(device="cpu", dtype=torch.float32)
+    assert "failed the capability probe" in why and "0-dimensional" in why

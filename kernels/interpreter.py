@@ -1,0 +1,125 @@
+"""Can Triton's interpreter run our kernels here? Found by running a kernel, not by a version number.
+
+On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``),
+which executes a program as numpy code. Interpreters differ between triton releases in ways that
+break real kernels without an error: on triton 3.6.0 a scalar loaded from memory comes back as a
+1-element array, so a loop whose bounds are loaded (``for c in range(lo, hi, STEP)``, the
+selection backward's segment loop) or a branch on a loaded value misbehaves. ``probe()`` runs one
+small kernel built from the same patterns the project's kernels use — loaded scalars as loop
+bounds and branch conditions, 64-bit offsets, pipelined ``tl.range`` loops, ``tl.dot`` in fp32
+and fp16, masks from loaded values, ``argmax`` and ``cumsum`` — and checks its output against
+the same computation in plain torch. The answer is cached per process.
+
+Run as ``python -m kernels.interpreter`` (with ``TRITON_INTERPRET=1``) it prints one JSON line:
+``{"ok": bool, "error": str | null, "triton": version}`` — how ``nsa-validate env`` asks.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton's own switch: kernels defined from now on run on CPU tensors through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe_kernel(X, LO, HI, A, B, OUT, OUT_DOT, OUT_IDX,
+                      STEP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        lo = tl.load(LO + pid)
+        hi = tl.load(HI + pid)
+        offs = tl.arange(0, BN)
+        acc = tl.zeros([BN], tl.float32)
+        if hi >= 0:                                        # a branch on a loaded scalar
+            for c in range(lo, hi, STEP):                  # loop bounds loaded from memory
+                acc += tl.load(X + c + offs, mask=(c + offs) < hi, other=0.0)
+            first = lo.to(tl.int64)
+            last = hi.to(tl.int64)
+            for i in range(first, last):                   # 64-bit loaded bounds, scalar body
+                acc += tl.where(offs == 0, tl.load(X + i), 0.0)
+        for ti in tl.range(3, num_stages=STAGES):          # a pipelined constexpr loop
+            acc += tl.where(offs == ti, 1.0, 0.0)
+        valid = (offs < BN) & (offs <= hi - lo)            # a mask from loaded scalars
+        acc = tl.where(valid, acc, -1.0)
+        tl.store(OUT + pid * BN + offs, acc)
+        rows = tl.arange(0, BD)
+        a = tl.load(A + rows[:, None] * BD + rows[None, :])
+        b = tl.load(B + rows[:, None] * BD + rows[None, :])
+        d = tl.dot(a, b, input_precision="ieee" if A.dtype.element_ty == tl.float32 else "tf32")
+        tl.store(OUT_DOT + pid * BD * BD + rows[:, None] * BD + rows[None, :], d)
+        best = tl.argmax(tl.sum(d, 1), 0, tie_break_left=True)
+        rank = tl.cumsum(tl.where(rows <= best, 1, 0), 0)
+        tl.store(OUT_IDX + pid * BD + rows, rank)
+
+    return _probe_kernel
+
+
+def _expected(x, lo, hi, a, b, BN):
+    out = torch.zeros(len(lo), BN)
+    for p, (l0, h0) in enumerate(zip(lo.tolist(), hi.tolist())):
+        acc = torch.zeros(BN)
+        if h0 >= 0:
+            for c in range(l0, h0, 8):
+                n = min(BN, h0 - c)
+                acc[:n] += x[c:c + n]
+            acc[0] += x[l0:h0].sum()
+        acc[:3] += 1.0
+        acc[torch.arange(BN) > h0 - l0] = -1.0
+        out[p] = acc
+    d = (a.double() @ b.double()).float()
+    best = int(torch.argmax(d.double().sum(1)))
+    rank = torch.cumsum((torch.arange(a.shape[0]) <= best).int(), 0).int()
+    return out, d, rank
+
+
+@functools.cache
+def probe() -> str | None:
+    """None when the interpreter ran the probe kernel correctly, else the one-line reason (the
+    probe's own error or the first wrong value). Must be called with TRITON_INTERPRET set."""
+    if not interpreting():
+        return "TRITON_INTERPRET is not set: the probe runs only under the interpreter"
+    try:
+        kernel = _kernel()
+        BN, BD = 16, 16
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, generator=g)
+        lo = torch.tensor([0, 5, 40, 7], dtype=torch.int32)
+        hi = torch.tensor([21, 37, 40, -1], dtype=torch.int32)
+        for dtype in (torch.float32, torch.float16):
+            a = torch.randn(BD, BD, generator=g).to(dtype)
+            b = torch.randn(BD, BD, generator=g).to(dtype)
+            out = torch.full((len(lo), BN), float("nan"))
+            out_dot = torch.full((len(lo), BD, BD), float("nan"))
+            out_idx = torch.full((len(lo), BD), -7, dtype=torch.int32)
+            kernel[(len(lo),)](x, lo, hi, a, b, out, out_dot, out_idx, STEP=8, BN=BN, BD=BD, STAGES=2)
+            want, want_dot, want_idx = _expected(x, lo, hi, a, b, BN)
+            if not torch.allclose(out, want, atol=1e-5, rtol=1e-5):
+                bad = (out - want).abs().nan_to_num(float("inf")).argmax().item()
+                return (f"the probe kernel's loop over loaded bounds gave {out.flatten()[bad].item():.6g} "
+                        f"where {want.flatten()[bad].item():.6g} was expected ({dtype} case)")
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            if not torch.allclose(out_dot[0], want_dot, atol=tol * BD, rtol=tol):
+                return f"tl.dot in {dtype} gave wrong values under the interpreter"
+            if not torch.equal(out_idx[0], want_idx):
+                return "tl.argmax/tl.cumsum gave wrong values under the interpreter"
+    except Exception as e:          # the interpreter's own failure is the finding
+        msg = " ".join(str(e).split())[:300]
+        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return None
+
+
+if __name__ == "__main__":
+    import triton
+    why = probe()
+    print(json.dumps({"ok": why is None, "error": why, "triton": triton.__version__}))
+    sys.exit(0)

@@ -1,0 +1,52 @@
+"""The interpreter capability probe agrees with the kernels it stands for.
+
+The probe decides whether the Triton suites run on a CPU machine, so it must be neither too lax
+(kernels then fail in the suites) nor too strict (kernels then skip although they work): here the
+selection forward and backward (the loops over loaded bounds) run whatever the probe says, and
+their success must equal the probe's verdict.
+"""
+import pytest
+import torch
+
+from kernels.interpreter import interpreting, probe
+from nsa_core import reference, tiny
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
+                                reason="kernels run natively on a GPU: the interpreter probe is not used")
+
+
+def _kernels_work() -> str | None:
+    """None when the selection kernels' forward and backward run and match the oracle here."""
+    from kernels import selection
+    cfg = tiny(block_size=16)
+    T, G, h, L = 50, cfg.n_kv_heads, cfg.heads_per_group, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(T, G * h, cfg.d_k, generator=g, requires_grad=True)
+    k = torch.randn(T, G, cfg.d_k, generator=g, requires_grad=True)
+    v = torch.randn(T, G, cfg.d_v, generator=g, requires_grad=True)
+    # block 0, the block before t's and t's own (-1 where they coincide), the same for every KV head
+    blocks = [sorted({0, max(t // L - 1, 0), t // L}) for t in range(T)]
+    idx = torch.tensor([b + [-1] * (3 - len(b)) for b in blocks])[:, None, :].expand(T, G, 3).contiguous()
+    try:
+        o = selection.selection_attention(q, k, v, idx, L, scale=cfg.scale)
+        o.square().sum().backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    pos = torch.arange(T)
+    mask = reference.selection_mask(cfg, idx[None], pos, T)
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    ref = reference.masked_attention(qq.view(1, T, G, h, -1), kk[None], vv[None], mask, cfg.scale)
+    ref.square().sum().backward()
+    if not torch.allclose(o.detach(), ref.reshape(T, G * h, -1), atol=1e-4):
+        return "selection forward differs from the oracle"
+    for name, a, b in (("dq", q, qq), ("dk", k, kk), ("dv", v, vv)):
+        if not torch.allclose(a.grad, b.grad, atol=1e-3):
+            return f"selection backward {name} differs from the oracle"
+    return None
+
+
+def test_probe_verdict_matches_the_kernels():
+    kernels_fail = _kernels_work()
+    probe_fail = probe()
+    assert (kernels_fail is None) == (probe_fail is None), (
+        f"probe says {probe_fail or 'ok'}; the selection kernels {kernels_fail or 'ran correctly'}")
