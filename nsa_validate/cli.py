@@ -26,13 +26,13 @@ from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rund
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import SuiteInterrupted, run_suite
-from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
+from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, verdict, write_json
 from suites import SUITES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Hardware validation harness for Native Sparse Attention.")
 err = Console(stderr=True)
-STYLE = {"pass": "green", "ok": "green", "fail": "red", "error": "red", "broken": "red",
+STYLE = {"pass": "green", "partial": "yellow", "ok": "green", "fail": "red", "error": "red", "broken": "red",
          "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
 
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
@@ -351,7 +351,8 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
         for name in names:
             if name not in results and status != "env-broken":
                 results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
-                                            cases=[CaseRecord("not-run", name, "skip", f"run {status}")])
+                                            cases=[CaseRecord("not-run", name, "skip", f"run {status}",
+                                                               placeholder=True)])
         results = {n: results[n] for n in names if n in results}
         res = _finish(run_dir, manifest, rep, prof, results, strict, status, allowed, baseline, max_regression)
     _show_verdict(res, run_dir)
@@ -365,7 +366,8 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
         return EXIT_INTERRUPTED
     if status == "env-broken":
         return EXIT_ENV_BROKEN
-    return EXIT_OK if res["verdict"]["status"] == "pass" else EXIT_FAIL
+    # partial (a suite executed no check) passes without --strict; under --strict verdict() blocked it
+    return EXIT_OK if res["verdict"]["status"] in ("pass", "partial") else EXIT_FAIL
 
 
 def _shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:
@@ -402,12 +404,14 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     if status != "complete":
         res["verdict"]["status"] = "fail"
         res["verdict"]["blocking"].insert(0, f"run {status}")
+        res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
     if baseline is not None:
         res["comparison"] = compare.compare(compare.from_results(res, str(run_dir)), baseline, max_regression)
         _show_comparison(res["comparison"])
         if res["comparison"]["status"] == "regression":
             res["verdict"]["status"] = "fail"
             res["verdict"]["blocking"] += [f"regression vs baseline: {r}" for r in res["comparison"]["regressions"]]
+            res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
     write_json(run_dir / "routing.json", res["routing"])
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")
@@ -426,9 +430,12 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
     v = res["verdict"]
     for b in v["blocking"][:20]:
         err.print(f"  [red]✗[/] {escape(b)}")
+    for name, why in v.get("not_exercised", {}).items():
+        err.print(f"  [yellow]○[/] {name} not exercised: {escape(why)}")
     tt = v["totals"]
-    err.print(f"VERDICT: {_styled(v['status'])}{' (strict)' if v['strict'] else ''}: {tt['pass']} passed, "
-              f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}")
+    err.print(f"VERDICT: {escape(v.get('headline', v['status'].upper()))}{' (strict)' if v['strict'] else ''} · {tt['pass']} passed, "
+              f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}",
+              highlight=False)
 
 
 def main() -> None:

@@ -50,7 +50,9 @@ def summarise(runs: list[tuple[Path, dict]]) -> dict:
                      "suites": {n: s["status"] for n, s in res["suites"].items()},
                      "counts": res["verdict"]["totals"], "figures": _key_figures(res),
                      "blocking": res["verdict"]["blocking"][:5]})
-    return {"runs": rows, "verdict": "pass" if all(r["verdict"].startswith("pass") for r in rows) else "fail"}
+    worst = "fail" if any(r["verdict"].startswith("fail") for r in rows) else \
+        "partial" if any(r["verdict"].startswith("partial") for r in rows) else "pass"
+    return {"runs": rows, "verdict": worst}
 
 
 def render(data: dict) -> str:

@@ -23,6 +23,7 @@ class Recorder:
     def __init__(self) -> None:
         self.metrics: dict = {}
         self.backends: dict = {}
+        self.kernels: dict = {}
         self._failures: list[str] = []
 
     def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
@@ -91,7 +92,8 @@ def profile_cases(params: list, suite: str, field: str, n_args: int) -> list:
     if params:
         return params
     why = f"profile '{context.current().profile.name}' sets no sizes for this case (suites.{suite}.{field})"
-    return [pytest.param(*([None] * n_args), id="not-in-profile", marks=pytest.mark.skip(reason=why))]
+    return [pytest.param(*([None] * n_args), id="not-in-profile",
+                         marks=[pytest.mark.skip(reason=why), pytest.mark.nsa_placeholder])]
 
 
 _RECORDERS: dict[str, Recorder] = {}
@@ -105,6 +107,7 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
     path = config.getoption("--nsa-context")
     if path:
         context.set_current(RunContext.load(path))
@@ -134,7 +137,11 @@ def _emit(config, line: dict) -> None:
             f.write(json.dumps(line, default=str) + "\n")
 
 
+_PLACEHOLDERS: set[str] = set()
+
+
 def pytest_collection_finish(session) -> None:
+    _PLACEHOLDERS.update(i.nodeid for i in session.items if i.get_closest_marker("nsa_placeholder"))
     _emit(session.config, {"collected": len(session.items)})
 
 
@@ -170,8 +177,8 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     name = nodeid.split("::")[-1].removeprefix("test_")
     suite = nodeid.split("::")[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
     _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
-                       "metrics": rec.metrics, "backends": rec.backends,
-                       "duration_s": round(st.get("duration", 0.0), 4)})
+                       "metrics": rec.metrics, "backends": rec.backends, "kernels": rec.kernels,
+                       "duration_s": round(st.get("duration", 0.0), 4), "placeholder": nodeid in _PLACEHOLDERS})
 
 
 _CONFIG: list = []

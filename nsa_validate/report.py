@@ -42,11 +42,14 @@ def _header(res: dict) -> list[str]:
 
 def render(res: dict) -> str:
     v = res["verdict"]
-    out = [f"# nsa-validate report: {v['status'].upper()}", ""]
+    out = [f"# nsa-validate: {v.get('headline', v['status'].upper())}", ""]
+    if v.get("not_exercised"):
+        out += [f"- **{n} not exercised**: {why}" for n, why in v["not_exercised"].items()] + [""]
     out += _header(res) + [""]
     t = v["totals"]
     out.append(f"**Verdict: {v['status'].upper()}**{' (strict)' if v.get('strict') else ''}: "
-               f"{t['pass']} passed, {t['fail']} failed, {t['error']} errors, {t['skip']} skipped.")
+               f"{t['pass']} passed, {t['fail']} failed, {t['error']} errors, {t['skip']} skipped "
+               f"(placeholder cases not counted).")
     out.append("")
     out.append(md_table([{"suite": n, "status": s["status"], "pass": s["counts"]["pass"], "fail": s["counts"]["fail"],
                           "error": s["counts"]["error"], "skip": s["counts"]["skip"],

@@ -52,7 +52,8 @@ def _read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
 
 def not_implemented(suite: Suite) -> SuiteResult:
     return SuiteResult(suite.name, "skip", reason="not implemented",
-                       cases=[CaseRecord("not-implemented", suite.name, "skip", "not implemented")])
+                       cases=[CaseRecord("not-implemented", suite.name, "skip", "not implemented",
+                                         placeholder=True)])
 
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,

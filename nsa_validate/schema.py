@@ -1,6 +1,7 @@
 """The one results schema (``results.json``), used by the runner, report, JUnit, compare.
 
-A case record:  {id, suite, status: pass|fail|skip|error, reason, metrics{}, backends{}, duration_s}
+A case record:  {id, suite, status: pass|fail|skip|error, reason, metrics{}, backends{}, kernels{},
+                 duration_s, placeholder}
 A suite result: {name, status, duration_s, counts{}, cases[], log, returncode, reason}
 A run:          {schema_version, manifest{}, env{}, profile{}, routing{}, suites{name: suite}, verdict{}}
 """
@@ -25,6 +26,10 @@ class CaseRecord:
     metrics: dict = field(default_factory=dict)
     backends: dict = field(default_factory=dict)
     duration_s: float = 0.0
+    # CUDA kernel names the GPU ran, per observed path ("prefill/sel": [...]); empty on a CPU
+    kernels: dict = field(default_factory=dict)
+    # a stand-in, not a check: "no sizes in the profile", "suite not run". Never counted.
+    placeholder: bool = False
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -44,7 +49,19 @@ class SuiteResult:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {s: sum(c.status == s for c in self.cases) for s in STATUSES}
+        """Case statuses, placeholders left out."""
+        return {s: sum(c.status == s and not c.placeholder for c in self.cases) for s in STATUSES}
+
+    @property
+    def exercised(self) -> bool:
+        """Whether any check ran: a case (not a placeholder) that passed, failed or errored."""
+        return any(c.status != "skip" and not c.placeholder for c in self.cases)
+
+    def skip_reasons(self) -> list[tuple[str, int]]:
+        """(reason, count) of the skipped cases, most frequent first."""
+        from collections import Counter
+        return Counter(c.reason or self.reason or "no reason given" for c in self.cases
+                       if c.status == "skip").most_common()
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -79,14 +96,19 @@ def allowed_reason(allowed_skips: dict[str, str], suite: str, case: str) -> str 
 
 
 def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[str, str] | None = None) -> dict:
-    """Overall verdict from data. ``allowed_skips``: suite name or ``suite/case`` pattern -> reason;
-    under ``strict`` every other skip blocks."""
+    """Overall verdict from data: ``fail`` on any failure or error; ``partial`` when nothing failed
+    but a selected suite executed no check (its cases all skipped); ``pass`` only when every
+    selected suite ran checks and they passed. ``allowed_skips``: suite name or ``suite/case``
+    pattern -> reason; under ``strict`` every other skip blocks, and so does a suite that was not
+    exercised (unless the allow-list names the suite itself). Counts leave placeholder cases out."""
     allowed_skips = allowed_skips or {}
     totals = {s: 0 for s in STATUSES}
     blocking, allowed = [], []
+    exercised, not_exercised = [], {}
     for name, s in suites.items():
+        for st, n in s.counts.items():
+            totals[st] += n
         for c in s.cases:
-            totals[c.status] += 1
             if c.status in ("fail", "error"):
                 blocking.append(f"{name}/{c.id}: {c.status}")
             elif c.status == "skip" and strict:
@@ -97,8 +119,29 @@ def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[st
                     allowed.append({"case": f"{name}/{c.id}", "skip_reason": c.reason, "allowed_because": why})
         if s.status == "error" and not any(c.status == "error" for c in s.cases):
             blocking.append(f"{name}: error ({s.reason})")
-    status = "pass" if not blocking else "fail"
-    return {"status": status, "strict": strict, "totals": totals, "blocking": blocking, "allowed_skips": allowed}
+        if s.exercised:
+            exercised.append(name)
+        else:
+            not_exercised[name] = "; ".join(f"{r} (x{n})" if n > 1 else r for r, n in s.skip_reasons()[:3]) \
+                or s.reason or "no case ran"
+            if strict and name not in allowed_skips:    # only an entry naming the suite itself excuses it
+                blocking.append(f"{name}: not exercised in --strict ({not_exercised[name]})")
+    status = "fail" if blocking else "partial" if not_exercised else "pass"
+    return {"status": status, "strict": strict, "totals": totals, "blocking": blocking, "allowed_skips": allowed,
+            "exercised": exercised, "not_exercised": not_exercised, "headline": headline(status, suites, not_exercised)}
+
+
+def headline(status: str, suites: dict[str, SuiteResult], not_exercised: dict[str, str]) -> str:
+    """The one verdict line, e.g. ``PARTIAL: sanity, counters passed; fa2 not exercised (…)``."""
+    by: dict[str, list[str]] = {}
+    for name, s in suites.items():
+        key = "not exercised" if name in not_exercised else {"pass": "passed", "fail": "failed",
+                                                             "error": "errored"}.get(s.status, s.status)
+        by.setdefault(key, []).append(name)
+    parts = [f"{', '.join(names)} {key}" for key, names in by.items() if key != "not exercised"]
+    if not_exercised:
+        parts.append(f"{', '.join(not_exercised)} not exercised")
+    return f"{status.upper()}: {'; '.join(parts) or 'no suite selected'}"
 
 
 def _clean(o):

@@ -14,12 +14,29 @@ def _suites():
             "fa2": SuiteResult("fa2", "skip", 0.1, [CaseRecord("varlen[bf16]", "fa2", "skip", "no CUDA device")])}
 
 
-def test_verdict_skips_pass_unless_strict():
+def test_a_suite_that_ran_no_check_makes_the_verdict_partial_not_pass():
     s = _suites()
-    assert verdict(s, strict=False)["status"] == "pass"
+    v = verdict(s, strict=False)
+    assert v["status"] == "partial" and v["not_exercised"] == {"fa2": "no CUDA device"}
+    assert v["headline"] == "PARTIAL: sanity passed; fa2 not exercised"
     v = verdict(s, strict=True)
     assert v["status"] == "fail" and "no CUDA device" in v["blocking"][0]
-    assert verdict(s, strict=True, allowed_skips={"fa2": "no GPU on CI"})["status"] == "pass"
+    assert "fa2: not exercised in --strict (no CUDA device)" in v["blocking"]
+    # an allow-list entry naming the suite itself excuses it; the verdict still says partial
+    assert verdict(s, strict=True, allowed_skips={"fa2": "no GPU on CI"})["status"] == "partial"
+    del s["fa2"]
+    assert verdict(s, strict=True)["status"] == "pass"
+
+
+def test_placeholder_cases_are_not_counted_and_exercise_nothing():
+    s = {"decode": SuiteResult("decode", "skip", 0, [
+        CaseRecord("bench[not-in-profile]", "decode", "skip", "profile sets no sizes", placeholder=True)])}
+    v = verdict(s, strict=False)
+    assert v["totals"] == {"pass": 0, "fail": 0, "skip": 0, "error": 0}
+    assert v["status"] == "partial" and "profile sets no sizes" in v["not_exercised"]["decode"]
+    s["decode"].cases.append(CaseRecord("parity[S64]", "decode", "pass"))
+    v = verdict(s, strict=False)
+    assert v["status"] == "pass" and v["totals"]["pass"] == 1 and v["totals"]["skip"] == 0
 
 
 def test_fail_and_error_block():
@@ -42,7 +59,8 @@ def _results(tmp_path):
 
 def test_report_renders_from_results_only(tmp_path):
     md = report.render(_results(tmp_path))
-    assert md.startswith("# nsa-validate report: PASS")
+    assert md.startswith("# nsa-validate: PARTIAL: sanity passed; fa2 not exercised")
+    assert "- **fa2 not exercised**: no CUDA device" in md
     assert "| sanity | pass | 1 | 0 | 0 | 0 |" in md
     assert "no CUDA device" in md and "pip install flash-attn" in md
     assert "prefill/sel=torch" in md and "abc (dirty)" in md
