@@ -108,6 +108,7 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
                 max_regression: float = MaxRegOpt,
                 gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs")) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
+    compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
                           allowed=_allow_list(allow_skips), baseline=base, max_regression=max_regression,
@@ -157,6 +158,7 @@ def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                 max_regression: float = MaxRegOpt,
                 json_out: bool = JsonOpt) -> None:
     """Compare a run with a baseline: exit 1 on a regression (correctness or timing beyond noise)."""
+    compare.check_max_regression(max_regression)
     res = _load_run(run_dir)
     cmp = compare.compare(compare.from_results(res, str(run_dir)), compare.load(baseline), max_regression)
     _show_comparison(cmp)
@@ -174,6 +176,10 @@ def _show_comparison(cmp: dict) -> None:
             t.add_row(escape(r["metric"]), r["baseline"], r["run"], r["change"],
                       _styled("fail") if r["verdict"] == "regression" else r["verdict"])
     err.print(t)
+    for w in cmp.get("warnings", []):
+        err.print(f"[yellow]warning[/]: {escape(w)}")
+    if cmp.get("not_compared"):
+        err.print(f"not compared (not selected in this run): {', '.join(cmp['not_compared'])}")
     err.print(f"{sum(r['verdict'] == 'ok' for r in cmp['rows'])} more metrics ok; "
               f"{len(cmp['regressions'])} regression(s)")
 

@@ -5,22 +5,30 @@ status and every timing a case recorded (any metric carrying ``median_ms`` and `
 i.e. a ``timing.Timing.summary()``), keyed by the machine it came from (GPU model, compute
 capability, profile). It is read from a run folder or a saved baseline file alike.
 
-Regression rules:
-- correctness: a case that passed in the baseline and fails, errors or is missing now; a case
-  that fails now and did not exist then.
-- timing: the median slowed by more than ``max_regression_pct`` AND the run's p20–p80 band lies
-  wholly above the baseline's (the recorded sample spread is the noise: a slowdown inside it is
-  reported as "within noise", never as a regression). Faster is reported, never gated.
+Only suites the run selected are compared; the baseline's other suites are listed as "not
+compared", never as missing. Regression rules, within those suites:
+- correctness: a case that passed in the baseline and now fails, errors or skips (a kernel that
+  stopped running is a regression, not a pass); a baseline case that is gone; a case that fails
+  now and did not exist then. Placeholder cases (no sizes in the profile, suite not run) are not
+  cases and are never compared.
+- timing: a timing the baseline measured that the run no longer measures; a median slowed by
+  more than ``max_regression_pct`` AND a p20–p80 band wholly above the baseline's (the recorded
+  sample spread is the noise: a slowdown inside it is reported as "within noise", never as a
+  regression). Faster is reported, never gated. A CPU-timer figure (host time under the Triton
+  interpreter) is shown, never gated.
+- a warning (not a regression) when torch, triton, flash-attn, the driver or python differ from
+  the baseline's: a difference in timings may then be the stack's, not the code's.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from nsa_validate.errors import UsageError
 from nsa_validate.schema import load_results
 
-BASELINE_VERSION = 1
+BASELINE_VERSION = 2
 DEFAULT_MAX_REGRESSION_PCT = 10.0
 
 
@@ -52,12 +60,37 @@ def timings(res: dict) -> dict[str, dict]:
     return out
 
 
+VERSIONED = ("python", "torch", "triton", "flash_attn", "driver")
+
+
+def versions(res: dict) -> dict:
+    """The stack a run measured on: what a timing difference may come from besides the code."""
+    f = (res.get("env") or {}).get("facts") or {}
+    fa = f.get("flash_attn") or {}
+    return {"python": f.get("python"), "torch": f.get("torch"), "triton": f.get("triton"),
+            "flash_attn": fa.get("version") if fa.get("installed") else None,
+            "driver": (f.get("telemetry") or {}).get("driver_version")}
+
+
 def from_results(res: dict, source: str, name: str | None = None) -> dict:
     return {"baseline_version": BASELINE_VERSION, "name": name, "source": source, **machine_key(res),
             "commit": res["manifest"].get("commit"), "dirty": res["manifest"].get("dirty"),
-            "created": res["manifest"].get("started"),
-            "cases": {f"{n}/{c['id']}": c["status"] for n, s in res["suites"].items() for c in s["cases"]},
+            "created": res["manifest"].get("started"), "versions": versions(res),
+            "suites": list(res["manifest"].get("suites") or res["suites"]),
+            "cases": {f"{n}/{c['id']}": c["status"] for n, s in res["suites"].items() for c in s["cases"]
+                      if not c.get("placeholder") and c["id"] not in ("not-run", "not-implemented")},
             "timings": timings(res)}
+
+
+def check_max_regression(pct) -> float:
+    """``--max-regression``: a finite number > 0 (nan or a negative value would disable the gate)."""
+    try:
+        pct = float(pct)
+    except (TypeError, ValueError):
+        raise UsageError(f"--max-regression must be a number of percent, not {pct!r}") from None
+    if not math.isfinite(pct) or pct <= 0:
+        raise UsageError(f"--max-regression must be a finite number > 0 (percent), not {pct}")
+    return pct
 
 
 def load(path: Path) -> dict:
@@ -73,7 +106,7 @@ def load(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (ValueError, KeyError) as e:
         raise UsageError(f"baseline '{path}' is unreadable ({e})") from None
-    if data.get("baseline_version") != BASELINE_VERSION:
+    if data.get("baseline_version") not in (1, BASELINE_VERSION):    # v1 lacks suites/versions: all compared
         raise UsageError(f"'{path}' is not a baseline file of version {BASELINE_VERSION} "
                          f"(baseline_version: {data.get('baseline_version')})")
     return data
@@ -99,43 +132,67 @@ def check_same_machine(run: dict, base: dict) -> None:
 
 def compare(run: dict, base: dict, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT) -> dict:
     """Both arguments as ``from_results``/``load`` return them. Returns {status: pass|regression,
-    baseline, max_regression_pct, regressions: [str], rows: [table rows]}."""
+    baseline, max_regression_pct, regressions: [str], rows: [table rows], not_compared: [suite],
+    warnings: [str]}."""
+    max_regression_pct = check_max_regression(max_regression_pct)
     check_same_machine(run, base)
+    selected = set(run.get("suites") or {c.split("/", 1)[0] for c in run["cases"]})
+    base_suites = base.get("suites") or sorted({c.split("/", 1)[0] for c in base["cases"]})
+    not_compared = [s for s in base_suites if s not in selected]
+    compared = lambda key: key.split("/", 1)[0] in selected          # noqa: E731
     rows, regressions = [], []
+
+    def row(metric, b, r, change, verdict):
+        rows.append({"metric": metric, "baseline": b, "run": r, "change": change, "verdict": verdict})
+        if verdict == "regression":
+            regressions.append(f"{metric}: {b} -> {r}" + (f" ({change})" if change else ""))
+
     for case, was in base["cases"].items():
+        if not compared(case):
+            continue
         now = run["cases"].get(case, "missing")
-        if was == "pass" and now != "pass" and now != "skip":
-            regressions.append(f"{case}: {was} -> {now}")
-            rows.append({"metric": case, "baseline": was, "run": now, "change": "", "verdict": "regression"})
+        if was == "pass" and now != "pass":
+            row(case, was, now, "", "regression")
+        elif now == "missing":
+            row(case, was, now, "", "regression")
         elif was != now:
-            rows.append({"metric": case, "baseline": was, "run": now, "change": "", "verdict": "status changed"})
+            row(case, was, now, "", "status changed")
     for case, now in run["cases"].items():
         if case not in base["cases"] and now in ("fail", "error"):
-            regressions.append(f"{case}: new case, {now}")
-            rows.append({"metric": case, "baseline": "absent", "run": now, "change": "", "verdict": "regression"})
+            row(case, "absent", now, "", "regression")
     for key, b in base["timings"].items():
+        if not compared(key):
+            continue
         r = run["timings"].get(key)
         if r is None:
-            rows.append({"metric": key, "baseline": _band(b), "run": "not measured", "change": "", "verdict": "missing"})
+            row(key, _band(b), "not measured", "", "not gated (CPU timer)" if _cpu(b) else "regression")
             continue
         change = 100 * (r["median_ms"] / b["median_ms"] - 1) if b["median_ms"] > 0 else 0.0
         slower = change > max_regression_pct
-        outside = r["p20_ms"] > b["p80_ms"]                 # the bands do not overlap
-        if slower and outside:
+        if _cpu(b) or _cpu(r):
+            verdict = "not gated (CPU timer)"
+        elif slower and r["p20_ms"] > b["p80_ms"]:        # past the gate and the bands do not overlap
             verdict = "regression"
-            regressions.append(f"{key}: {b['median_ms']:.4g} -> {r['median_ms']:.4g} ms (+{change:.1f}%)")
         elif slower:
             verdict = "within noise"
         elif change < -max_regression_pct and r["p80_ms"] < b["p20_ms"]:
             verdict = "faster"
         else:
             verdict = "ok"
-        rows.append({"metric": key, "baseline": _band(b), "run": _band(r), "change": f"{change:+.1f}%", "verdict": verdict})
-    order = {"regression": 0, "missing": 1, "status changed": 2, "within noise": 3, "faster": 4, "ok": 5}
+        row(key, _band(b), _band(r), f"{change:+.1f}%", verdict)
+    order = {"regression": 0, "status changed": 1, "within noise": 2, "not gated (CPU timer)": 3, "faster": 4, "ok": 5}
     rows.sort(key=lambda x: order.get(x["verdict"], 9))
+    bv, rv = base.get("versions") or {}, run.get("versions") or {}
+    warnings = [f"{k} differs from the baseline's: {bv.get(k)} (baseline) vs {rv.get(k)} (this run)"
+                for k in VERSIONED if bv and rv and bv.get(k) != rv.get(k)]
     return {"status": "regression" if regressions else "pass", "baseline": base.get("name") or base.get("source"),
-            "max_regression_pct": max_regression_pct, "regressions": regressions, "rows": rows}
+            "max_regression_pct": max_regression_pct, "regressions": regressions, "rows": rows,
+            "not_compared": not_compared, "warnings": warnings}
+
+
+def _cpu(t: dict) -> bool:
+    return t.get("timer") == "cpu"
 
 
 def _band(t: dict) -> str:
-    return f"{t['median_ms']:.4g} [{t['p20_ms']:.4g}-{t['p80_ms']:.4g}]"
+    return f"{t['median_ms']:.4g} ms [p20-p80 {t['p20_ms']:.4g}-{t['p80_ms']:.4g}]"

@@ -102,8 +102,11 @@ def render(res: dict) -> str:
         out += ["## Differences vs baseline", "",
                 f"Baseline: `{cmpd.get('baseline')}`: **{cmpd.get('status')}** (a timing regresses when its median is "
                 f"more than {cmpd.get('max_regression_pct')}% slower and its p20-p80 band lies above the baseline's); "
-                f"{len(cmpd.get('rows', [])) - len(shown)} metrics unchanged within that rule.", "",
-                md_table(shown)]
+                f"{len(cmpd.get('rows', [])) - len(shown)} metrics unchanged within that rule.", ""]
+        out += [f"- warning: {w}" for w in cmpd.get("warnings", [])]
+        if cmpd.get("not_compared"):
+            out.append(f"- not compared (not selected in this run): {', '.join(cmpd['not_compared'])}")
+        out += ["", md_table(shown)]
 
     if v.get("allowed_skips"):
         out += ["## Skips allowed in --strict (allow-list)", "",

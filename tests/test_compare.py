@@ -153,3 +153,76 @@ def test_shards_balance_by_the_profile_timeouts():
     shards = _shard(names, prof, 2)
     assert sorted(n for q in shards for n in q) == sorted(names) and all(shards)
     assert _shard(names, prof, 1) == [names]
+
+
+def _drop(run: Path, suite: str, case: str | None = None, to: str | None = None, timer: str | None = None):
+    """Edit a synthetic run: drop a case (or set its status), or relabel every timing's timer."""
+    res = json.loads((run / "results.json").read_text())
+    cases = res["suites"][suite]["cases"]
+    if case and to is None:
+        res["suites"][suite]["cases"] = [c for c in cases if c["id"] != case]
+    for c in cases:
+        if c["id"] == case and to:
+            c["status"], c["metrics"] = to, ({} if to == "skip" else c["metrics"])
+        for m in c["metrics"].values():
+            if timer and isinstance(m, dict) and "samples_ms" in m:
+                m["timer"] = timer
+    (run / "results.json").write_text(json.dumps(res))
+
+
+def test_a_kernel_that_stops_running_is_a_regression(tmp_path):
+    """pass -> skip, and the timings it no longer measures, fail the gate."""
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    _drop(b, "decode", "bench[B16-S65536]", to="skip")
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 1, r.stderr
+    regs = json.loads(r.stdout)["regressions"]
+    assert "decode/bench[B16-S65536]: pass -> skip" in regs
+    assert any(x.startswith("decode/bench[B16-S65536]/graph:") and "not measured" in x for x in regs), regs
+    assert any(x.startswith("decode/bench[B16-S65536]/eager:") for x in regs), regs
+
+
+def test_a_case_gone_from_a_suite_that_ran_is_a_regression(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    _drop(b, "decode", "parity[S65536]")
+    out = json.loads(cli("compare", str(b), "--baseline", str(a), "--json").stdout)
+    assert "decode/parity[S65536]: pass -> missing" in out["regressions"]
+
+
+def test_suites_the_run_did_not_select_are_not_compared(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    res = json.loads((b / "results.json").read_text())
+    del res["suites"]["fa2"]
+    res["manifest"]["suites"] = ["decode"]                     # `suite decode` against a oneshot baseline
+    (b / "results.json").write_text(json.dumps(res))
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["not_compared"] == ["fa2"] and not out["regressions"]
+    assert "not compared (not selected in this run): fa2" in r.stderr
+
+
+def test_cpu_timer_timings_are_never_gated(tmp_path):
+    a, b = make_run(tmp_path, "a", 0.1), make_run(tmp_path, "b", 24.0, seed=5)
+    for run in (a, b):
+        _drop(run, "decode", timer="cpu")
+    out = json.loads(cli("compare", str(b), "--baseline", str(a), "--json").stdout)
+    assert out["status"] == "pass"
+    rows = {r["metric"]: r for r in out["rows"]}
+    assert rows["decode/bench[B16-S65536]/graph"]["verdict"] == "not gated (CPU timer)"
+    assert rows["decode/bench[B16-S65536]/graph"]["run"].endswith("]") and " ms [p20-p80 " in rows["decode/bench[B16-S65536]/graph"]["run"]
+
+
+def test_a_different_stack_is_a_warning(tmp_path):
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    res = json.loads((b / "results.json").read_text())
+    res["env"]["facts"]["triton"] = "3.7.0"
+    (b / "results.json").write_text(json.dumps(res))
+    out = json.loads(cli("compare", str(b), "--baseline", str(a), "--json").stdout)
+    assert out["warnings"] == ["triton differs from the baseline's: 3.6.0 (baseline) vs 3.7.0 (this run)"]
+
+
+@pytest.mark.parametrize("pct", ["nan", "-5", "0", "inf"])
+def test_max_regression_must_be_a_finite_positive_number(tmp_path, pct):
+    a = make_run(tmp_path, "a")
+    r = cli("compare", str(a), "--baseline", str(a), "--max-regression", pct)
+    assert r.returncode == 2 and "--max-regression must be a finite number > 0" in r.stderr, r.stderr
