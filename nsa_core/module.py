@@ -122,7 +122,8 @@ class NSAAttention(nn.Module):
             parts["cmp"] = self._run("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
         if "sel" in want:
             if idx is None:
-                idx = tb.select_blocks(q, k_cmp, cfg)
+                with routing.profiler_range("prefill", "select"):
+                    idx = tb.select_blocks(q, k_cmp, cfg)
             parts["sel"] = self._run("sel", routes, q=q, k=k, v=v, idx=idx)
         if "win" in want:
             parts["win"] = self._run("win", routes, q=q, k=k, v=v)
@@ -130,11 +131,12 @@ class NSAAttention(nn.Module):
 
     def _run(self, branch: str, routes, **tensors) -> torch.Tensor:
         d = routes[branch]
-        if d.backend != "torch":    # decide() already checked that this implementation is usable
-            impl, _ = routing.lookup("prefill", branch, d.backend)
-            return impl(cfg=self.cfg, **tensors)
-        fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
-        return fn(cfg=self.cfg, **tensors)
+        with routing.profiler_range("prefill", branch):
+            if d.backend != "torch":    # decide() already checked that this implementation is usable
+                impl, _ = routing.lookup("prefill", branch, d.backend)
+                return impl(cfg=self.cfg, **tensors)
+            fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
+            return fn(cfg=self.cfg, **tensors)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks prefill would select for x [B, S, D]: idx [B, S, G, n] (ascending, -1 padded)."""
@@ -165,7 +167,8 @@ class NSAAttention(nn.Module):
         route = routing.decide(self.policy, "decode", "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
         if route.backend != "torch":      # one fused step for the three branches (kernels/decode.py)
             impl, _ = routing.lookup("decode", "step", route.backend)
-            outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
+            with routing.profiler_range("decode", "step"):
+                outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
             cache.reads = {br: reads[br] for br in want}
             return self._mix(g, {br: outs[br][:, None] for br in want},
                              q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))

@@ -134,6 +134,16 @@ def note(phase: str, branch: str, backend: str) -> None:
             log.counts[(phase, branch, backend)] += 1
 
 
+RANGE_PREFIX = "nsa:"
+
+
+def profiler_range(phase: str, branch: str):
+    """A ``torch.profiler`` range named ``nsa:<phase>/<branch>`` around a branch's work, so the GPU
+    kernels it launches can be attributed to it (nearly free when nothing profiles)."""
+    import torch
+    return torch.profiler.record_function(f"{RANGE_PREFIX}{phase}/{branch}")
+
+
 @contextmanager
 def capture() -> Iterator[DispatchLog]:
     log = DispatchLog()

@@ -392,12 +392,20 @@ def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
     decisions = {str(S): {br: vars(routing.decide(prof.routing, "prefill", br, S, cfg=PAPER))
                           for br in routing.BRANCHES} for S in (512, 1024, 4096, 16384, 65536)}
     executed: dict[str, set] = {}
+    kernels: dict[str, set] = {}
     for s in results.values():
         for c in s.cases:
             for k, bes in c.backends.items():
                 executed.setdefault(k, set()).update(bes)
+            for k, names in c.kernels.items():
+                kernels.setdefault(k, set()).update(names)
     return {"policy": prof.routing.to_dict(), "decisions": decisions,
-            "executed": {k: sorted(v) for k, v in sorted(executed.items())}}
+            "executed": {k: sorted(v) for k, v in sorted(executed.items())},
+            # the CUDA kernels the GPU ran, per path (profiler); empty on a CPU, where the dispatch
+            # log ("executed") is the only evidence
+            "observed_kernels": {k: sorted(v) for k, v in sorted(kernels.items())},
+            "evidence": "GPU kernel names (torch.profiler) and the dispatch log" if kernels
+            else "the dispatch log only (no CUDA kernels observed: no GPU)"}
 
 
 def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, status: str,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from nsa_core import routing
 from nsa_core.routing import DispatchLog
-from nsa_validate import context, tolerance
+from nsa_validate import context, evidence, limits, tolerance
 from nsa_validate.context import RunContext
 
 
@@ -24,7 +26,18 @@ class Recorder:
         self.metrics: dict = {}
         self.backends: dict = {}
         self.kernels: dict = {}
+        self._klog: evidence.KernelLog | None = None
         self._failures: list[str] = []
+
+    @contextmanager
+    def capture(self):
+        """What ran inside the block: the dispatch log (yielded) and, on a GPU, the CUDA kernels
+        the device executed, which ``expect_ran`` then also asserts by name."""
+        with routing.capture() as log, evidence.observe(context.current().device) as klog:
+            yield log
+        self._klog = klog
+        for key, names in klog.by_range.items():
+            self.kernels[key] = sorted(evidence.short(n) for n in names)
 
     def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
         """Record what ran; fail the case if ``backend`` did not execute ``phase/branch``."""
@@ -33,6 +46,34 @@ class Recorder:
             self.backends[key] = sorted(set(self.backends.get(key, [])) | set(bes))
         assert log.ran(phase, branch, backend) > 0, (
             f"path under test did not run: {phase}/{branch} on {backend}; ran: {log.backends(phase) or 'nothing'}")
+        family = evidence.family(phase, branch, backend)
+        if family and self._klog is not None and self._klog.active:
+            key = f"{phase}/{branch}"
+            self.expect_kernels(self._klog, key, family, in_range=key in self._klog.by_range)
+
+    def expect_kernels(self, log: evidence.KernelLog, key: str, expect: str, in_range: bool = False) -> None:
+        """On a GPU: record the CUDA kernels observed for ``key`` (a branch's range when
+        ``in_range``, else everything in the observed block) and fail the case unless one of them
+        is of the ``expect`` family (``evidence.EXPECT``). On a CPU nothing is observed."""
+        if not log.active:
+            return
+        names = log.by_range.get(key, {}) if in_range else log.names
+        self.kernels[key] = sorted(evidence.short(n) for n in names)
+        assert log.matching(expect, key if in_range else None), (
+            f"the GPU ran no {expect} kernel for {key} (expected /{evidence.EXPECT[expect]}/); it ran: "
+            f"{', '.join(self.kernels[key]) or 'no kernel'}")
+
+    def timing(self, name: str, t, *, nbytes: float | None = None, flops: float | None = None) -> dict:
+        """Record a ``timing.Timing`` with the least work it did (bytes it must move, FLOPs it must
+        do); fail the case at once if the hardware cannot do that in that time (``limits``)."""
+        summary = t.summary()
+        summary.update(limits.achieved(summary, nbytes, flops))
+        self.metrics[name] = summary
+        ctx = context.current()
+        ceil = limits.ceilings(ctx.device if t.timer != "cpu" else "cpu", ctx.profile.expect.peak_tflops)
+        bad = limits.implausible(summary, nbytes, flops, ceil)
+        assert not bad, f"implausible measurement (timing bug?): {name}: {'; '.join(bad)}"
+        return summary
 
     def check(self, name: str, out, ref32, ref_lp, *, dtype, factor: float = 2.0,
               no_rel_rms_bar_because: str | None = None) -> dict:

@@ -77,6 +77,9 @@ class SuitesCfg:
 
 @dataclass
 class ExpectCfg:
+    # spec-sheet dense fp16/bf16 tensor-core rate of the family's fastest part (no sparsity): a
+    # ceiling no measurement may pass (nsa_validate.limits)
+    peak_tflops: float | None = None
     peak_bandwidth_gbs: float | None = None      # spec-sheet HBM bandwidth
     decode_roofline_min: float | None = None     # fraction of measured copy bandwidth
     decode_speedup_min: float | None = None      # vs dense at the longest context

@@ -96,6 +96,16 @@ def render(res: dict) -> str:
         for plot in extra.get("plots") or []:
             out += [f"![{Path(plot).stem}]({plot})", ""]
 
+    rt = res.get("routing") or {}
+    if rt:
+        out += ["## What executed", "", f"Evidence: {rt.get('evidence', 'the dispatch log only')}.", ""]
+        rows = [{"path": k, "backends (dispatch log)": "/".join(v),
+                 "CUDA kernels the GPU ran": "<br>".join((rt.get("observed_kernels") or {}).get(k, [])) or "-"}
+                for k, v in (rt.get("executed") or {}).items()]
+        rows += [{"path": k, "backends (dispatch log)": "-", "CUDA kernels the GPU ran": "<br>".join(v)}
+                 for k, v in (rt.get("observed_kernels") or {}).items() if k not in (rt.get("executed") or {})]
+        out += [md_table(rows), ""] if rows else []
+
     if res.get("comparison"):
         cmpd = res["comparison"]
         shown = [r for r in cmpd.get("rows", []) if r["verdict"] != "ok"]

@@ -56,7 +56,7 @@ def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
     x = torch.randn(2, P + steps, cfg.d_model, device=DEV)
     cache = DecodeCache(cfg, 2, P + steps, device=DEV)
     mismatches, checked = [], 0
-    with torch.no_grad(), routing.capture() as log:
+    with torch.no_grad(), record.capture() as log:
         if P:   # the counters concern decode only: fill the cache without prefill attention
             m.fill_cache(x[:, :P], cache)
         for t in range(P, P + steps):
@@ -85,7 +85,7 @@ def test_paper_table4(S, backend, record):
     m = _layer(cfg, backend)
     x = torch.randn(1, S, cfg.d_model, device=DEV)
     cache = DecodeCache(cfg, 1, S, device=DEV)
-    with torch.no_grad(), routing.capture() as log:
+    with torch.no_grad(), record.capture() as log:
         m.fill_cache(x[:, :S - 1], cache)
         out = m.decode(x[:, S - 1:S], cache)
     for br in BRANCHES:

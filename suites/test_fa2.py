@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from nsa_core import NSAAttention, reference, routing
 from nsa_core.config import NSAConfig
 from nsa_core.routing import RoutingPolicy
-from nsa_validate import thresholds, timing
+from nsa_validate import evidence, thresholds, timing
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
@@ -65,7 +65,7 @@ def test_causal_varlen(backend, dt, record):
     fa2 = _require(backend, dtype)
     T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
     q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=i) for i, n in enumerate((H, G, G)))
-    with routing.capture() as log:
+    with record.capture() as log:
         o = fa2.causal_attention(q, k, v, cu_seqlens(MIXED, DEV), max(MIXED), backend)
     record.expect_ran(log, "kernel", "causal", f"fa2:{backend}")
     causal = lambda pos, n: torch.arange(n, device=DEV)[None, :] <= pos[:, None]  # noqa: E731
@@ -78,7 +78,7 @@ def test_window_branch(backend, dt, record):
     fa2 = _require(backend, dtype, window=True)
     T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
     q, k, v = (_rand(T, n, NSA.d_k, dtype=dtype, seed=10 + i) for i, n in enumerate((H, G, G)))
-    with routing.capture() as log:
+    with record.capture() as log:
         o = fa2.window_attention(q, k, v, cu_seqlens(MIXED, DEV), max(MIXED), NSA.window, backend)
     record.expect_ran(log, "kernel", "win", f"fa2:{backend}")
     _check(record, "o", o, q, k, v, MIXED, MIXED, lambda pos, n: reference.window_mask(NSA, pos, n), dtype)
@@ -94,7 +94,7 @@ def test_compressed_branch(backend, dt, record):
     q = _rand(T, H, NSA.d_k, dtype=dtype, seed=20)
     kc, vc = _rand(sum(n_cmp), G, NSA.d_k, dtype=dtype, seed=21), _rand(sum(n_cmp), G, NSA.d_v, dtype=dtype, seed=22)
     layout = fa2.compressed_layout(tuple(MIXED), NSA, torch.device(DEV))
-    with routing.capture() as log:
+    with record.capture() as log:
         o = fa2.compressed_attention(q, kc, vc, layout, backend)
     record.expect_ran(log, "kernel", "cmp", f"fa2:{backend}")
     _check(record, "o", o, q, kc, vc, MIXED, n_cmp, lambda pos, n: reference.cmp_mask(NSA, pos, n), dtype)
@@ -111,7 +111,7 @@ def test_module_on_fa2(backend, dt, record):
     m = NSAAttention(cfg, RoutingPolicy(fa2_min_len_cmp=0, fa2_min_len_win=0, fa2_backend=backend)).to(DEV).to(dtype)
     x = torch.randn(2, 1000, cfg.d_model, device=DEV).to(dtype)
     idx = m.select(x)
-    with routing.capture() as log:
+    with record.capture() as log:
         out = m(x, idx=idx)
     for br in ("cmp", "win"):
         record.expect_ran(log, "prefill", br, f"fa2:{backend}")
@@ -163,14 +163,20 @@ def test_bench(branch, S, record, extra):
         mask = reference.cmp_mask(cfg, pos, N)
         layout = fa2.compressed_layout((S,), cfg, torch.device(DEV))
         fns = {b: (lambda b=b: fa2.compressed_attention(q, k, v, layout, b)) for b in ran}
-    with routing.capture() as log:
+    with record.capture() as log:
         for fn in fns.values():
             fn()
     for b in ran:
         record.expect_ran(log, "kernel", branch, f"fa2:{b}")
     t = {b: timing.bench(fn) for b, fn in fns.items()}
+    with evidence.observe(DEV) as klog:
+        _sdpa(q, k, v, mask)
+    record.expect_kernels(klog, f"kernel/{branch}/sdpa", "sdpa_fused")
     t["sdpa"] = timing.bench(lambda: _sdpa(q, k, v, mask))
-    record.metrics.update({name: tm.summary() for name, tm in t.items()})
+    # the least arithmetic: 2·(d_k + d_v) FLOPs per (query head, key the mask allows)
+    flops = 2.0 * H * mask.sum().item() * 2 * d
+    for name, tm in t.items():
+        record.timing(name, tm, flops=flops)
     row = {"branch": branch, "S": S, "SDPA ms": round(t["sdpa"].median_ms, 3)}
     for b in BACKENDS:
         if b in t:

@@ -45,7 +45,7 @@ def test_prefill_matches_oracle(dt, record):
     m, x, dtype = _layer(dt)
     idx = m.select(x)
     ref32, ref_lp = _oracles(m, x, dtype, idx=idx)
-    with routing.capture() as log:
+    with record.capture() as log:
         out = m(x)
     for br, d in m.routes(x.shape[1], x.device, dtype).items():
         record.expect_ran(log, "prefill", br, d.backend)
@@ -60,7 +60,7 @@ def test_branch_isolated(branch, dt, record):
     m, x, dtype = _layer(dt, seed=1)
     idx = m.select(x)
     ref32, ref_lp = _oracles(m, x, dtype, only=branch, idx=idx)
-    with routing.capture() as log:
+    with record.capture() as log:
         out = m(x, only=branch, idx=idx)
     record.expect_ran(log, "prefill", branch, m.routes(x.shape[1], x.device, dtype)[branch].backend)
     others = [b for b in BRANCHES if b != branch and log.backends("prefill").get(b)]
@@ -101,7 +101,7 @@ def test_decode_matches_oracle_rows(dt, record):
     P, S = CFG.decode_from, x.shape[1]
     cache = DecodeCache(m.cfg, x.shape[0], S, device=DEV, dtype=dtype)
     steps, idx = [], []
-    with routing.capture() as log:
+    with record.capture() as log:
         m(x[:, :P], cache=cache)
         for t in range(P, S):
             steps.append(m.decode(x[:, t:t + 1], cache))
@@ -123,7 +123,7 @@ def test_short_sequences_finite(S, dt, record):
     m, x, dtype = _layer(dt, seed=3, S=S)
     ref32, ref_lp = _oracles(m, x, dtype)
     xl = x.clone().requires_grad_(True)
-    with routing.capture() as log:
+    with record.capture() as log:
         out = m(xl)
     for br, d in m.routes(S, xl.device, dtype).items():
         record.expect_ran(log, "prefill", br, d.backend)

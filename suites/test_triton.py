@@ -95,7 +95,7 @@ def test_forward(dt, h, dk, dv, S, record):
     G, L, n = CFG.kv_heads, CFG.block_size, CFG.n_selected
     q, k, v = _qkv(S, G, h, dk, dv, dtype, seed=S + h)
     idx = _block_idx([S], G, L, n, seed=S)
-    with routing.capture() as log:
+    with record.capture() as log:
         o, lse = sel.selection_attention_fwd(q, k, v, idx, L)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
     ref32 = _oracle(q, k, v, idx, [S], L, torch.float32)
@@ -113,7 +113,7 @@ def test_backward(dt, h, dk, dv, S, record):
     q, k, v = _qkv(S, G, h, dk, dv, dtype, seed=S + h + 1, grad=True)
     idx = _block_idx([S], G, L, n, seed=S + 1)
     do = torch.randn(S, G * h, dv, device=DEV).to(dtype)
-    with routing.capture() as log:
+    with record.capture() as log:
         o = sel.selection_attention(q, k, v, idx, L)
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "sel_bwd", "triton")
@@ -140,7 +140,7 @@ def test_varlen(dt, record):
     q, k, v = _qkv(T, G, h, dk, dv, dtype, seed=7, grad=True)
     idx = _block_idx(lens, G, L, n, seed=7)
     do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
-    with routing.capture() as log:
+    with record.capture() as log:
         o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV))
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
@@ -170,7 +170,7 @@ def test_nan_poisoned_buffers(dt, record):
     out, lse = nan(T, G * h, dv), torch.full((T, G * h), float("nan"), device=DEV)
     dq, dk_, dv_ = nan(T, G * h, dk), nan(T, G, dk), nan(T, G, dv)
     cu = cu_seqlens(lens, DEV)
-    with routing.capture() as log:
+    with record.capture() as log:
         sel.selection_attention_fwd(q, k, v, idx, L, cu, out=out, lse=lse)
         sel.selection_attention_bwd(do, q, k, v, out, lse, idx, L, cu, dq=dq, dk=dk_, dv=dv_)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
@@ -196,7 +196,7 @@ def test_deterministic(dt, record):
     idx = _block_idx([S], G, L, n, seed=5)
     do = torch.randn(S, G * h, dv, device=DEV).to(dtype)
     runs = []
-    with routing.capture() as log:
+    with record.capture() as log:
         for _ in range(3):
             o, lse = sel.selection_attention_fwd(q, k, v, idx, L)
             runs.append((o, lse, *sel.selection_attention_bwd(do, q, k, v, o, lse, idx, L)))
@@ -230,7 +230,7 @@ def test_long_varlen_sampled_rows(dt, S, record):
     rows = torch.unique(torch.cat([p + s0 for s0 in (0, S, 2 * S) for p in picks]))   # sorted
     do = torch.zeros(T, G * h, dv, device=DEV, dtype=dtype)
     do[rows] = torch.randn(len(rows), G * h, dv, device=DEV).to(dtype)
-    with routing.capture() as log:
+    with record.capture() as log:
         o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV), max_seqlen=S)
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
@@ -290,7 +290,7 @@ def test_module_fwd_bwd(dt, S, record):
     idx = m.select(x.detach())
     dout = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype)
     names = [nm for nm, _ in m.named_parameters()]
-    with routing.capture() as log:
+    with record.capture() as log:
         out = m(x, idx=idx)
         grads = torch.autograd.grad(out, [x, *m.parameters()], dout, allow_unused=True)
     record.expect_ran(log, "prefill", "sel", "triton")
@@ -331,7 +331,7 @@ def test_prefill_paper_config(S, record):
     m = NSAAttention(PAPER, CTX.profile.routing).to(DEV).to(dtype)
     x = torch.randn(1, S, PAPER.d_model, device=DEV).to(dtype)
     torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad(), routing.capture() as log:
+    with torch.no_grad(), record.capture() as log:
         t = timing.bench(lambda: m(x), device=DEV, warmup=0, reps=1, l2_flush=False, telemetry=False)
         out = m(x)
     record.expect_ran(log, "prefill", "sel", "triton")
@@ -367,7 +367,7 @@ def test_bench(S, record, extra):
     q, k, v = _qkv(S, G, H // G, d, d, dtype, seed=S)
     idx = _block_idx([S], G, L, n, seed=S)
     do = torch.randn(S, H, d, device=DEV).to(dtype)
-    with routing.capture() as log:
+    with record.capture() as log:
         o, lse = sel.selection_attention_fwd(q, k, v, idx, L)
         sel.selection_attention_bwd(do, q, k, v, o, lse, idx, L)
     record.expect_ran(log, "kernel", "sel_fwd", "triton")
@@ -393,7 +393,15 @@ def test_bench(S, record, extra):
         of = fa(qf, kf, vf, causal=True)
         t["fa2_bwd"] = timing.bench(lambda: torch.autograd.grad(of, (qf, kf, vf), do.view(1, S, H, d),
                                                                 retain_graph=True))
-    record.metrics.update({name: tm.summary() for name, tm in t.items()})
+    # the least arithmetic each timing must do: 2·(d_k + d_v) FLOPs per (query head, attended key)
+    # forward, twice that backward; the selected keys counted from the indices, the dense ones causal
+    L_ = torch.arange(S, device=DEV)[:, None, None]
+    sel_keys = torch.where(idx >= 0, (L_ - idx.long() * L + 1).clamp(0, L), 0).sum().item() * (H // G)
+    fwd = {"sel": 2.0 * sel_keys * 2 * d, "sdpa": 2.0 * H * S * (S + 1) / 2 * 2 * d}
+    fwd["fa2"] = fwd["sdpa"]
+    for name, tm in t.items():
+        impl, phase = name.rsplit("_", 1)
+        record.timing(name, tm, flops=fwd[impl] * (1 if phase == "fwd" else 2))
     best = {ph: min(t[f"{b}_{ph}"].median_ms for b in ("sdpa", "fa2") if f"{b}_{ph}" in t) for ph in ("fwd", "bwd")}
     row = {"S": S, "sel fwd ms": _ms(t["sel_fwd"]), "sel bwd ms": _ms(t["sel_bwd"]),
            "SDPA fwd ms": _ms(t["sdpa_fwd"]), "SDPA bwd ms": _ms(t["sdpa_bwd"]),

@@ -1,0 +1,76 @@
+"""Kernel-name evidence: what each dispatch entry promises, names matched, and (on a GPU with
+flash-attn) a wrapper that lies about its backend fails the fa2 suite."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_validate import evidence, plugin
+
+FA = "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>, " \
+     "false, true, false, false, true, true, false, false>(flash::Flash_fwd_params)"
+TORCH_FA = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, " \
+           "cutlass::bfloat16_t>, false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)"
+MATH = ["void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*, float const*, int)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _log(*names, ranges=None):
+    log = evidence.KernelLog(active=True)
+    log.names.update(names)
+    for k, v in (ranges or {}).items():
+        log.by_range[k] = evidence.Counter(v)
+    return log
+
+
+def test_each_dispatch_entry_promises_a_kernel_family():
+    assert evidence.family("kernel", "sel_fwd", "triton") == "triton:sel_fwd"
+    assert evidence.family("kernel", "sel_bwd", "triton") == "triton:sel_bwd"
+    assert evidence.family("decode", "cmp", "triton") == "triton:decode"
+    assert evidence.family("prefill", "win", "fa2:flash_attn") == "flash_attn"
+    assert evidence.family("prefill", "cmp", "fa2:varlen") == "varlen"
+    assert evidence.family("prefill", "sel", "torch") is None
+
+
+def test_pytorchs_bundled_flash_kernel_is_not_flash_attn():
+    assert _log(FA).matching("flash_attn") and not _log(TORCH_FA).matching("flash_attn")
+    assert _log(TORCH_FA).matching("varlen") and _log(TORCH_FA).matching("sdpa_fused")
+    assert not _log(*MATH).matching("sdpa_fused")
+    assert _log("_sel_fwd_kernel").matching("triton:sel_fwd") and not _log("_sel_fwd_kernel").matching("triton:sel_bwd")
+
+
+def test_expect_ran_fails_on_the_kernels_the_gpu_ran(monkeypatch):
+    """The dispatch log says flash_attn; the GPU ran PyTorch's kernel: the case fails."""
+    from nsa_core.routing import DispatchLog
+    rec = plugin.Recorder()
+    log = DispatchLog()
+    log.counts[("prefill", "win", "fa2:flash_attn")] = 1
+    rec._klog = _log(TORCH_FA, ranges={"prefill/win": [TORCH_FA]})
+    with pytest.raises(AssertionError, match="the GPU ran no flash_attn kernel for prefill/win"):
+        rec.expect_ran(log, "prefill", "win", "fa2:flash_attn")
+    rec._klog = _log(FA, ranges={"prefill/win": [FA]})
+    rec.expect_ran(log, "prefill", "win", "fa2:flash_attn")
+    assert rec.kernels["prefill/win"] == ["void flash::flash_fwd_kernel<…>(flash::Flash_fwd_params)"]
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _has_flash_attn(), reason="needs a CUDA GPU with flash-attn installed")
+def test_a_wrapper_that_lies_about_its_backend_fails_the_fa2_suite():
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "suites/test_fa2.py"),
+         "-k", "window_branch and flash_attn", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+    honest = run()
+    assert honest.returncode == 0, honest.stdout[-2000:]
+    rigged = run("-p", "tests.rigs.flash_attn_is_varlen")
+    assert rigged.returncode == 1, rigged.stdout[-2000:]
+    assert "the GPU ran no flash_attn kernel" in rigged.stdout and "pytorch_flash" in rigged.stdout
