@@ -59,11 +59,11 @@ class KernelLog:
         from torch.autograd import DeviceType
         events = prof.events()
         for e in events:
-            if e.device_type == DeviceType.CUDA:
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
                 self.names[e.name] += 1
 
         def kernels_under(e) -> Counter:
-            c = Counter(k.name for k in getattr(e, "kernels", []))
+            c = Counter(k.name for k in getattr(e, "kernels", []) if not k.name.startswith(("Memcpy", "Memset")))
             for child in getattr(e, "cpu_children", []):
                 c += kernels_under(child)
             return c

@@ -10,6 +10,5 @@ def _flash_attn_is_really_varlen(monkeypatch):
     from kernels import fa2
 
     def impostor(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, window_size=(-1, -1)):
-        return fa2._varlen_func()(q, k, v, cu_q, cu_k, max_q, max_k, scale=softmax_scale,
-                                  window_size=window_size, enable_gqa=q.shape[1] != k.shape[1])
+        return fa2._call("varlen", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_size[0])
     monkeypatch.setattr(fa2, "_flash_attn_func", lambda: impostor)
