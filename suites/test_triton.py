@@ -124,6 +124,30 @@ def test_backward(dt, h, dk, dv, S, record):
     record.assert_ok()
 
 
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_backward_many_segments(dt, record, monkeypatch):
+    """dk/dv split the queries of a block into segments of ``selection.SEGMENT`` (1024); at these
+    sizes no block has that many, so the segment is cut to 16: block 0 (every query selects it)
+    then spans many segments with a ragged last one, and the ordered reduce must add them right."""
+    dtype = DTYPES[dt]
+    sel = _require(dtype)
+    monkeypatch.setattr(sel, "SEGMENT", 16)
+    G, L, n, S = CFG.kv_heads, CFG.block_size, CFG.n_selected, CFG.seq_lens[-1]
+    h, (dk, dv) = CFG.heads_per_group[0], CFG.head_dims[-1]
+    q, k, v = _qkv(S, G, h, dk, dv, dtype, seed=S + 5, grad=True)
+    idx = _block_idx([S], G, L, n, seed=S + 5)
+    do = torch.randn(S, G * h, dv, device=DEV).to(dtype)
+    with record.capture() as log:
+        grads = torch.autograd.grad(sel.selection_attention(q, k, v, idx, L), (q, k, v), do)
+    record.expect_ran(log, "kernel", "sel_bwd", "triton")
+    record.metrics["segments_of_block0"] = -(-S // 16)
+    _, ref32 = _oracle_grads(q, k, v, idx, [S], L, do, torch.float32)
+    ref_lp = _oracle_grads(q, k, v, idx, [S], L, do, dtype)[1] if _lp(dtype) else (None,) * 3
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, ref32, ref_lp):
+        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
+    record.assert_ok()
+
+
 def _varlen_case(dt):
     dtype = DTYPES[dt]
     sel = _require(dtype)
