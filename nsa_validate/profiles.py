@@ -33,6 +33,8 @@ class CountersCfg:
     decode_steps: int = 40         # steps measured after each prefill length
     paper_contexts: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536])
     backends: list[str] = field(default_factory=lambda: ["torch"])   # decode paths whose reads are checked
+    # layers ("tiny", "paper") whose reads are also measured by effect (suites/read_effect.py)
+    effect_layers: list[str] = field(default_factory=lambda: ["tiny", "paper"])
 
 
 @dataclass

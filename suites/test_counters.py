@@ -1,7 +1,11 @@
 """counters: decode read counters measured from what the decode step gathered == SPEC §3 formula.
 
 The decode step reports, per branch and KV head, how many KV tokens it attended over, counted
-from the slice and gather-index tensors it actually used (``cache.reads``). Here those measured
+from the slice and gather-index tensors it actually used (``cache.reads``). At the first and last
+step of each case (the last only for the paper layer; layers listed in ``effect_layers``) the
+reads are also measured by their effect (``suites.read_effect``): each
+token the formula says is read, perturbed alone, changes the output; every other cached token,
+NaN-poisoned, changes nothing; and that set equals the one the step reports, token for token. Here those measured
 counts are compared with the formula at every step, from prefill lengths that straddle every
 boundary (t < l, t < w, t+1 not a multiple of l', more causal blocks than n), and the paper's
 Table 4 is reproduced (tokens per step at 8k … 64k, ±1 for the paper's rounding). Each case runs
@@ -15,6 +19,7 @@ import torch
 
 from nsa_core import BRANCHES, PAPER, DecodeCache, NSAAttention, routing, tiny
 from nsa_validate.context import current
+from suites import read_effect
 
 CTX = current()
 CFG = CTX.profile.suites.counters
@@ -55,12 +60,26 @@ def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
     steps = CFG.decode_steps
     x = torch.randn(2, P + steps, cfg.d_model, device=DEV)
     cache = DecodeCache(cfg, 2, P + steps, device=DEV)
-    mismatches, checked = [], 0
+    mismatches, checked, by_effect = [], 0, {}
+    # reads by effect: first and last step of the tiny layer, the last step of the paper layer (its
+    # 64 query heads make a perturbation row costly on a CPU); layers the profile lists
+    effect_steps = () if name not in CFG.effect_layers else (P + steps - 1,) if name == "paper" else (P, P + steps - 1)
     with torch.no_grad(), record.capture() as log:
         if P:   # the counters concern decode only: fill the cache without prefill attention
             m.fill_cache(x[:, :P], cache)
         for t in range(P, P + steps):
+            before = read_effect._rows(cache, 1) if t in effect_steps else None
             out = m.decode(x[:, t:t + 1], cache)
+            if before is not None:      # the first and last step: reads measured by their effect too
+                reported = read_effect.reported_sets(cfg, t, cache.reads, cache.idx)
+                formula = read_effect.formula_sets(cfg, t, cache.idx[0])
+                for g in range(cfg.n_kv_heads):
+                    assert len(reported["sel"][g]) == int(cache.reads["sel"][0, g]), (
+                        f"t={t}: the step's selected blocks hold {len(reported['sel'][g])} tokens up to t, "
+                        f"its sel counter says {int(cache.reads['sel'][0, g])}")
+                for br in BRANCHES:
+                    by_effect[f"t{t}/{br}"] = read_effect.check_step(m, x[:, t:t + 1], before, br,
+                                                                     reported[br], formula[br])
             assert torch.isfinite(out).all(), f"non-finite decode output at t={t}"
             want = cfg.expected_reads(t)
             for br in BRANCHES:
@@ -71,7 +90,7 @@ def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
     for br in BRANCHES:
         record.expect_ran(log, "decode", br, backend)
     record.metrics.update(steps=steps, checked=checked, first_t=P, last_t=P + steps - 1,
-                          reads_last=cfg.expected_reads(P + steps - 1))
+                          reads_last=cfg.expected_reads(P + steps - 1), reads_by_effect=by_effect)
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
 
 
