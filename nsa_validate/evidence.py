@@ -59,7 +59,7 @@ class KernelLog:
         from torch.autograd import DeviceType
         events = prof.events()
         for e in events:
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", RANGE_PREFIX)):
                 self.names[e.name] += 1
 
         def kernels_under(e) -> Counter:

@@ -25,6 +25,7 @@ from nsa_core import DecodeCache, NSAAttention
 from nsa_core.config import NSAConfig
 
 ROWS_PER_CALL = 64          # perturbation rows per decode call (memory: a cache copy per row)
+ROWS_PER_CALL_GPU = 512
 
 
 def formula_sets(cfg: NSAConfig, t: int, blocks: torch.Tensor) -> dict[str, list[set[int]]]:
@@ -94,16 +95,20 @@ def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: s
     # one row per (KV head, token the formula says is read): perturbed alone, the output must move
     todo = [(g, x) for g in range(G) for x in sorted(want[g])]
     silent = []
-    for i in range(0, len(todo), ROWS_PER_CALL):
-        part = todo[i:i + ROWS_PER_CALL]
+    per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
+    for i in range(0, len(todo), per_call):
+        part = todo[i:i + per_call]
         c = _rows(cache, len(part) + 1)
-        for r, (g, x) in enumerate(part, start=1):
-            for name, amp in zip(names, (4.0, 1e3)):         # keys shifted, values far off
-                buf = getattr(c, name)
-                buf[r, x, g] += amp * torch.randn(buf.shape[-1], device=buf.device, generator=gen).to(buf.dtype)
+        rows = torch.arange(1, len(part) + 1, device=c.k.device)
+        pos = torch.tensor([x for _, x in part], device=c.k.device)
+        heads = torch.tensor([g for g, _ in part], device=c.k.device)
+        for name, amp in zip(names, (4.0, 1e3)):             # keys shifted, values far off
+            buf = getattr(c, name)
+            noise = torch.randn(len(part), buf.shape[-1], device=buf.device, generator=gen).to(buf.dtype)
+            buf[rows, pos, heads] += amp * noise
         o = _step(m, x_t, c, branch)
-        moved = (o[1:] - o[:1]).abs().amax(-1)
-        silent += [part[r] for r in range(len(part)) if moved[r].item() <= 1e-3 * scale]
+        moved = (o[1:] - o[:1]).abs().amax(-1).tolist()
+        silent += [part[r] for r in range(len(part)) if moved[r] <= 1e-3 * scale]
     assert not silent, (f"{branch} at t={t}: {len(silent)} tokens the formula says are read did not change the "
                         f"output when perturbed (KV head, position): {silent[:8]}")
     return {"read": sum(map(len, want)), "unread_poisoned": G * n_cached - sum(map(len, want))}
