@@ -50,7 +50,7 @@ def reported_sets(cfg: NSAConfig, t: int, reads: dict[str, torch.Tensor], idx: t
             "win": [set(range(t + 1 - int(reads["win"][0, g]), t + 1)) for g in range(G)]}
 
 
-def _rows(cache: DecodeCache, n: int) -> DecodeCache:
+def copy_rows(cache: DecodeCache, n: int) -> DecodeCache:
     """A cache of n identical batch rows copied from row 0 of ``cache``."""
     c = DecodeCache.__new__(DecodeCache)
     c.cfg, c.max_len, c.length, c.reads, c.idx = cache.cfg, cache.max_len, cache.length, {}, None
@@ -82,7 +82,7 @@ def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: s
             f"formula-not-reported {sorted(want[g] - said[g])[:8]}")
     gen = torch.Generator(device=cache.k.device).manual_seed(t)
     # row 0: unchanged; row 1: every token the formula says is not read poisoned with NaN
-    base = _rows(cache, 2)
+    base = copy_rows(cache, 2)
     for g in range(G):
         unread = [x for x in range(n_cached) if x not in want[g]]
         for name in names:
@@ -98,7 +98,7 @@ def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: s
     per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
     for i in range(0, len(todo), per_call):
         part = todo[i:i + per_call]
-        c = _rows(cache, len(part) + 1)
+        c = copy_rows(cache, len(part) + 1)
         rows = torch.arange(1, len(part) + 1, device=c.k.device)
         pos = torch.tensor([x for _, x in part], device=c.k.device)
         heads = torch.tensor([g for g, _ in part], device=c.k.device)

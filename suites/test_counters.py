@@ -68,7 +68,7 @@ def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
         if P:   # the counters concern decode only: fill the cache without prefill attention
             m.fill_cache(x[:, :P], cache)
         for t in range(P, P + steps):
-            before = read_effect._rows(cache, 1) if t in effect_steps else None
+            before = read_effect.copy_rows(cache, 1) if t in effect_steps else None
             out = m.decode(x[:, t:t + 1], cache)
             if before is not None:      # the first and last step: reads measured by their effect too
                 reported = read_effect.reported_sets(cfg, t, cache.reads, cache.idx)
