@@ -100,7 +100,7 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
     return Decision(phase, branch, wanted, why)
 
 
-@dataclass
+@dataclass(eq=False)      # identity: nested captures must each remove their own log
 class DispatchLog:
     """Counts of (phase, branch, backend) executions observed while active."""
     counts: Counter = field(default_factory=Counter)

@@ -65,6 +65,9 @@ class DecodeCfg:
     batches: list[int] = field(default_factory=lambda: [1])
     dtype: str = "fp32"
     paper_config: bool = False     # G=4, h=16, d_k=192, d_v=128 (else the tiny config)
+    # parity contexts whose reads are also measured by effect (suites/read_effect.py): a cache
+    # copy per perturbed token, so the shortest context
+    effect_contexts: list[int] = field(default_factory=lambda: [256])
 
 
 @dataclass

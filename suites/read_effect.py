@@ -3,7 +3,8 @@
 Read counters that the step computes about itself can agree with the formula and still be wrong
 (a path that simply reports the formula's numbers passes any comparison of numbers). This
 measures the reads from outside, with nothing but the step's output: for one step at position t
-and one branch (the gate forced one-hot on it, ``only=``), per KV head g,
+and one branch alone (the module's gate forced one-hot on it, or the decode kernel run for that
+branch only), per KV head g,
 
 * every cached token the formula says the branch reads (compressed tokens 0..n_cmp(t)−1; the
   tokens of the selected blocks up to t; the window max(0, t−w+1)..t) is perturbed on its own,
@@ -19,6 +20,8 @@ are left out of both sides.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nsa_core import DecodeCache, NSAAttention
@@ -26,6 +29,8 @@ from nsa_core.config import NSAConfig
 
 ROWS_PER_CALL = 64          # perturbation rows per decode call (memory: a cache copy per row)
 ROWS_PER_CALL_GPU = 512
+
+Runner = Callable[[DecodeCache, str], torch.Tensor]   # (cache of n rows, branch) -> output [n, …]
 
 
 def formula_sets(cfg: NSAConfig, t: int, blocks: torch.Tensor) -> dict[str, list[set[int]]]:
@@ -59,19 +64,24 @@ def copy_rows(cache: DecodeCache, n: int) -> DecodeCache:
     return c
 
 
-def _step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: str) -> torch.Tensor:
-    with torch.no_grad():
-        return m.decode(x_t[:1].expand(cache.k.shape[0], -1, -1), cache, only=branch)[:, 0].float()
+def module_step(m: NSAAttention, x_t: torch.Tensor) -> Runner:
+    """A runner for ``check_step``: ``m.decode`` of token x_t [1, 1, D] (row 0 used) on every batch
+    row of a cache, with the gate forced one-hot on ``branch``. Returns [n, 1, D] fp32."""
+    def run(cache: DecodeCache, branch: str) -> torch.Tensor:
+        with torch.no_grad():
+            return m.decode(x_t[:1].expand(cache.k.shape[0], -1, -1), cache, only=branch).float()
+    return run
 
 
-def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: str,
-               reported: list[set[int]], formula: list[set[int]]) -> dict:
-    """Run the checks above for one step (``cache`` holds tokens 0..t−1, batch row 0 is used;
-    it is left as it was). Returns counts; raises AssertionError naming the first disagreement."""
-    cfg, t = m.cfg, cache.length
+def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: str,
+               reported: list[set[int]], formula: list[set[int]], n_cached: int) -> dict:
+    """Run the checks above for the step at position t of one branch. ``cache`` holds the tokens
+    before the step (batch row 0 is used; it is left as it was): ``n_cached`` rows of the branch's
+    buffers (raw tokens for sel/win, compressed tokens for cmp). ``run(cache, branch)`` runs the
+    step on every batch row of a cache and returns its output [n, …]. Returns counts; raises
+    AssertionError naming the first disagreement."""
     raw = branch != "cmp"
     names = ("k", "v") if raw else ("k_cmp", "v_cmp")
-    n_cached = t if raw else cfg.n_cmp_total(t)          # what exists before the step
     G = cfg.n_kv_heads
     want = [{x for x in formula[g] if x < n_cached} for g in range(G)]
     said = [{x for x in reported[g] if x < n_cached} for g in range(G)]
@@ -87,7 +97,7 @@ def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: s
         unread = [x for x in range(n_cached) if x not in want[g]]
         for name in names:
             getattr(base, name)[1, unread, g] = float("nan")
-    out = _step(m, x_t, base, branch)
+    out = run(base, branch).flatten(1).float()
     assert torch.isfinite(out[1]).all(), f"{branch} at t={t}: NaN in an unread cached token reached the output"
     scale = 1.0 + out[0].abs().max().item()
     drift = (out[1] - out[0]).abs().max().item()
@@ -106,7 +116,7 @@ def check_step(m: NSAAttention, x_t: torch.Tensor, cache: DecodeCache, branch: s
             buf = getattr(c, name)
             noise = torch.randn(len(part), buf.shape[-1], device=buf.device, generator=gen).to(buf.dtype)
             buf[rows, pos, heads] += amp * noise
-        o = _step(m, x_t, c, branch)
+        o = run(c, branch).flatten(1).float()
         moved = (o[1:] - o[:1]).abs().amax(-1).tolist()
         silent += [part[r] for r in range(len(part)) if moved[r] <= 1e-3 * scale]
     assert not silent, (f"{branch} at t={t}: {len(silent)} tokens the formula says are read did not change the "

@@ -3,7 +3,9 @@
 Parity (``parity[S]``): a cache of S tokens (random K/V, random compressed K/V, NaN past them);
 the step for token t = S−1 must select the oracle's blocks (``reference.decode_row``, fp32, from
 the same cache values) and match each branch's output and the gate mix within the 2x rule against
-the oracle run in the test dtype with the same blocks; the reads it counted must equal SPEC §3.
+the oracle run in the test dtype with the same blocks; the reads it counted must equal the formula,
+and at the profile's ``effect_contexts`` they are also measured by their effect on the output
+(``suites.read_effect``: each token the formula says is read moves it; every other one, NaN, does not).
 
 Bench (``bench[B-S]``, SPEC §6): the step is ``kernels.decode.DecodeStep`` (append the new token's
 K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
@@ -31,6 +33,7 @@ from nsa_validate import decode_table, evidence, limits, roofline, timing
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
+from suites import read_effect
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -99,7 +102,25 @@ def test_parity(S, record):
     got = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
     record.metrics["reads"] = {"measured": got, "formula": want}
     assert got == {br: [want[br]] for br in got}, f"measured reads {got} != formula {want}"
+    if S in CFG.effect_contexts:
+        record.metrics["reads_by_effect"] = _reads_by_effect(decode, cache, new, r, t)
     record.assert_ok()
+
+
+def _reads_by_effect(decode, cache, new, r, t):
+    """The step's reads measured by their effect on its output (``suites.read_effect``), per branch
+    on the kernel alone: the tokens that move the output are the formula's, token for token, and
+    the ones the step reported."""
+    def run(c, br):
+        n = c.k.shape[0]
+        one = {k: new[k][:1].expand(n, *new[k].shape[1:]).contiguous() for k in ("q", "k_new", "v_new", "pos")}
+        with torch.no_grad():
+            return decode.DecodeStep(LAYER, c, branches=(br,))(**one).out[br].clone()
+    reported = read_effect.reported_sets(LAYER, t, r.reads, r.idx)
+    formula = read_effect.formula_sets(LAYER, t, r.idx[0])
+    cached = {"cmp": LAYER.n_cmp(t), "sel": t, "win": t}
+    return {br: read_effect.check_step(run, LAYER, t, cache, br, reported[br], formula[br], cached[br])
+            for br in ("cmp", "sel", "win")}
 
 
 # -- bench ----------------------------------------------------------------------------------

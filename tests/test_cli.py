@@ -125,8 +125,10 @@ def _small_profile(tmp_path) -> Path:
     # decode: one small bench row (the profile's speed expectations are for its full sizes)
     prof["suites"]["decode"].update(contexts=prof["suites"]["decode"]["contexts"][:1], batches=[1])
     prof["expect"].update(decode_roofline_min=None, decode_speedup_min=None)
-    # counters: reads by effect on the tiny layer only (suites/test_counters.py runs both)
+    # reads by effect: the counters on the tiny layer only, none in decode (the suites run in full
+    # under pytest too)
     prof["suites"]["counters"]["effect_layers"] = ["tiny"]
+    prof["suites"]["decode"]["effect_contexts"] = []
     path = tmp_path / f"{name}-small.yaml"
     path.write_text(yaml.safe_dump(prof))
     return path

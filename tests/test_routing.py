@@ -38,3 +38,13 @@ def test_interpreter_that_fails_the_probe_is_refused_with_the_probe_error(monkey
     monkeypatch.setattr(routes, "probe", lambda: "InterpreterError: TypeError('only 0-dimensional arrays')")
     why = routes.triton_unavailable(device="cpu", dtype=torch.float32)
     assert "failed the capability probe" in why and "0-dimensional" in why
+
+
+def test_nested_captures_each_see_their_own_calls():
+    with routing.capture() as outer:
+        routing.note("decode", "win", "torch")
+        with routing.capture() as inner:       # two empty logs at entry: removal is by identity
+            routing.note("decode", "cmp", "torch")
+        routing.note("decode", "sel", "torch")
+    assert inner.backends() == {"cmp": ["torch"]}
+    assert outer.backends() == {"cmp": ["torch"], "sel": ["torch"], "win": ["torch"]}
