@@ -112,6 +112,7 @@ def _call(backend, q, k, v, cu_q, cu_k, max_q, max_k, scale, left: int):
     return o[..., :d_v]
 
 
+@routing.ranged("kernel", "causal")
 def causal_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, scale: float | None = None):
     """Plain causal varlen attention: [T, H, d_v]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
@@ -120,6 +121,7 @@ def causal_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, scale: 
     return o
 
 
+@routing.ranged("kernel", "win")
 def window_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int, backend: str,
                      scale: float | None = None):
     """Sliding window: query t attends to positions max(0, t−w+1) .. t. [T, H, d_v]."""
@@ -158,6 +160,7 @@ def compressed_layout(lens: tuple[int, ...], cfg: NSAConfig, device) -> dict:
             "cu": torch.tensor(cu, dtype=torch.int32, device=device), "max_len": max_len}
 
 
+@routing.ranged("kernel", "cmp")
 def compressed_attention(q, k_cmp, v_cmp, layout: dict, backend: str, scale: float | None = None):
     """Compressed branch: q [T, H, d_k] over k_cmp/v_cmp [N, G, d] -> [T, H, d_v] (zero rows for
     queries with no compressed token). ``layout`` from ``compressed_layout``."""

@@ -9,6 +9,7 @@ Two separate things live here:
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -142,6 +143,18 @@ def profiler_range(phase: str, branch: str):
     kernels it launches can be attributed to it (nearly free when nothing profiles)."""
     import torch
     return torch.profiler.record_function(f"{RANGE_PREFIX}{phase}/{branch}")
+
+
+def ranged(phase: str, branch: str):
+    """Decorator: the function runs inside ``profiler_range(phase, branch)`` (kernel launchers, so
+    a case that runs forward and backward in one observed block still tells their kernels apart)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with profiler_range(phase, branch):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
 
 
 @contextmanager

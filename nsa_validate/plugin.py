@@ -37,7 +37,11 @@ class Recorder:
             yield log
         self._klog = klog
         for key, names in klog.by_range.items():
-            self.kernels[key] = sorted(evidence.short(n) for n in names)
+            self._saw(key, names)
+
+    def _saw(self, key: str, names) -> None:
+        """Add kernel names to what this case observed for ``key`` (a case may observe several blocks)."""
+        self.kernels[key] = sorted(set(self.kernels.get(key, [])) | {evidence.short(n) for n in names})
 
     def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
         """Record what ran; fail the case if ``backend`` did not execute ``phase/branch``."""
@@ -58,10 +62,10 @@ class Recorder:
         if not log.active:
             return
         names = log.by_range.get(key, {}) if in_range else log.names
-        self.kernels[key] = sorted(evidence.short(n) for n in names)
+        self._saw(key, names)
         assert log.matching(expect, key if in_range else None), (
             f"the GPU ran no {expect} kernel for {key} (expected /{evidence.EXPECT[expect]}/); it ran: "
-            f"{', '.join(self.kernels[key]) or 'no kernel'}")
+            f"{', '.join(sorted(evidence.short(n) for n in names)) or 'no kernel'}")
 
     def timing(self, name: str, t, *, nbytes: float | None = None, flops: float | None = None) -> dict:
         """Record a ``timing.Timing`` with the least work it did (bytes it must move, FLOPs it must

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from nsa_core import NSAAttention, reference, routing
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import RoutingPolicy
-from nsa_validate import timing
+from nsa_validate import evidence, timing
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
@@ -406,15 +406,21 @@ def test_bench(S, record, extra):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         sdpa = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa: E731
+        with evidence.observe(DEV) as klog:      # the GPU ran a fused kernel, not the math path
+            od = sdpa()
+            torch.autograd.grad(od, (qd, kd, vd), dod, retain_graph=True)
+        record.expect_kernels(klog, "bench/dense_sdpa", "sdpa_fused")
         t["sdpa_fwd"] = timing.bench(sdpa)
-        od = sdpa()
         t["sdpa_bwd"] = timing.bench(lambda: torch.autograd.grad(od, (qd, kd, vd), dod, retain_graph=True))
     fa = _flash_attn()
     if fa is not None:
         qf = q.view(1, S, H, d).detach().requires_grad_(True)
         kf, vf = k.view(1, S, G, d).detach().requires_grad_(True), v.view(1, S, G, d).detach().requires_grad_(True)
+        with evidence.observe(DEV) as klog:      # flash-attn's own kernels, not PyTorch's copy
+            of = fa(qf, kf, vf, causal=True)
+            torch.autograd.grad(of, (qf, kf, vf), do.view(1, S, H, d), retain_graph=True)
+        record.expect_kernels(klog, "bench/dense_flash_attn", "flash_attn")
         t["fa2_fwd"] = timing.bench(lambda: fa(qf, kf, vf, causal=True))
-        of = fa(qf, kf, vf, causal=True)
         t["fa2_bwd"] = timing.bench(lambda: torch.autograd.grad(of, (qf, kf, vf), do.view(1, S, H, d),
                                                                 retain_graph=True))
     # the least arithmetic each timing must do: 2·(d_k + d_v) FLOPs per (query head, attended key)

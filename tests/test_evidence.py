@@ -51,6 +51,7 @@ def test_expect_ran_fails_on_the_kernels_the_gpu_ran(monkeypatch):
     rec._klog = _log(TORCH_FA, ranges={"prefill/win": [TORCH_FA]})
     with pytest.raises(AssertionError, match="the GPU ran no flash_attn kernel for prefill/win"):
         rec.expect_ran(log, "prefill", "win", "fa2:flash_attn")
+    rec = plugin.Recorder()          # a new case: the GPU ran flash-attn's own kernel
     rec._klog = _log(FA, ranges={"prefill/win": [FA]})
     rec.expect_ran(log, "prefill", "win", "fa2:flash_attn")
     assert rec.kernels["prefill/win"] == ["void flash::flash_fwd_kernel<…>(flash::Flash_fwd_params)"]
