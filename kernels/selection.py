@@ -299,7 +299,6 @@ def _cu(cu_seqlens, T, device):
     return cu_seqlens, None
 
 
-@routing.ranged("kernel", "sel_fwd")
 def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None, *, scale=None,
                             max_seqlen: int | None = None, out=None, lse=None):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
@@ -385,7 +384,6 @@ def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT
             "seg_lo": i32(lo), "seg_hi": i32(hi)}
 
 
-@routing.ranged("kernel", "sel_bwd")
 def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_seqlens=None, *,
                             scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None):
     """Backward launcher: returns (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype.

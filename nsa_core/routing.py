@@ -146,8 +146,10 @@ def profiler_range(phase: str, branch: str):
 
 
 def ranged(phase: str, branch: str):
-    """Decorator: the function runs inside ``profiler_range(phase, branch)`` (kernel launchers, so
-    a case that runs forward and backward in one observed block still tells their kernels apart)."""
+    """Decorator: the function runs inside ``profiler_range(phase, branch)``, so a case that
+    observes several launchers in one block can tell their kernels apart. Only for launchers whose
+    kernels come from ATen ops: torch.profiler (2.11, H100) attributed none of the Triton kernels
+    launched inside such a range to it, so the Triton launchers are observed block-wide instead."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
