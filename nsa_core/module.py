@@ -74,14 +74,16 @@ class NSAAttention(nn.Module):
         self.gate = Gate(cfg)
 
     # -- pieces --------------------------------------------------------------------------
-    def _qkv(self, x):
+    def project(self, x):
+        """q [B, S, H, d_k], k [B, S, G, d_k], v [B, S, G, d_v] from x [B, S, D]."""
         B, S, _ = x.shape
         cfg = self.cfg
         return (self.q_proj(x).view(B, S, cfg.n_heads, cfg.d_k),
                 self.k_proj(x).view(B, S, cfg.n_kv_heads, cfg.d_k),
                 self.v_proj(x).view(B, S, cfg.n_kv_heads, cfg.d_v))
 
-    def _gates(self, x, only: str | None):
+    def gates(self, x, only: str | None = None):
+        """g [B, S, H, 3] (cmp, sel, win): the sigmoid gate, or one-hot on ``only``."""
         if only is None:
             return self.gate(x)
         if only not in BRANCHES:
@@ -95,7 +97,8 @@ class NSAAttention(nn.Module):
         return {br: routing.decide(self.policy, "prefill", br, seq_len, cfg=self.cfg,
                                    device=device, dtype=dtype) for br in BRANCHES}
 
-    def _mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    def mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D]."""
         o = torch.zeros_like(like)
         for i, br in enumerate(BRANCHES):
             if br in parts:
@@ -110,26 +113,26 @@ class NSAAttention(nn.Module):
         ``idx`` [B, S, G, n] overrides block selection (to feed a kernel fixed indices)."""
         cfg = self.cfg
         B, S, _ = x.shape
-        q, k, v = self._qkv(x)
+        q, k, v = self.project(x)
         k_cmp, v_cmp = self.cmp_k(k), self.cmp_v(v)
         if cache is not None:
             cache.write_prefill(k, v, k_cmp, v_cmp)
-        g = self._gates(x, only)
+        g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
         routes = self.routes(S, x.device, x.dtype)
         parts = {}
         if "cmp" in want:
-            parts["cmp"] = self._run("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+            parts["cmp"] = self.run_branch("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
         if "sel" in want:
             if idx is None:
-                with routing.profiler_range("prefill", "select"):
-                    idx = tb.select_blocks(q, k_cmp, cfg)
-            parts["sel"] = self._run("sel", routes, q=q, k=k, v=v, idx=idx)
+                idx = self.select_from(q, k_cmp)
+            parts["sel"] = self.run_branch("sel", routes, q=q, k=k, v=v, idx=idx)
         if "win" in want:
-            parts["win"] = self._run("win", routes, q=q, k=k, v=v)
-        return self._mix(g, parts, q.new_zeros(B, S, cfg.n_heads, cfg.d_v))
+            parts["win"] = self.run_branch("win", routes, q=q, k=k, v=v)
+        return self.mix(g, parts, q.new_zeros(B, S, cfg.n_heads, cfg.d_v))
 
-    def _run(self, branch: str, routes, **tensors) -> torch.Tensor:
+    def run_branch(self, branch: str, routes, **tensors) -> torch.Tensor:
+        """One prefill branch on the backend ``routes`` (from ``routes()``) picked -> [B, S, H, d_v]."""
         d = routes[branch]
         with routing.profiler_range("prefill", branch):
             if d.backend != "torch":    # decide() already checked that this implementation is usable
@@ -138,14 +141,20 @@ class NSAAttention(nn.Module):
             fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
             return fn(cfg=self.cfg, **tensors)
 
+    def select_from(self, q: torch.Tensor, k_cmp: torch.Tensor) -> torch.Tensor:
+        """Block selection from q [B, S, H, d_k] and the compressed keys [B, N, G, d_k]:
+        idx [B, S, G, n] (ascending, -1 padded)."""
+        with routing.profiler_range("prefill", "select"):
+            return tb.select_blocks(q, k_cmp, self.cfg)
+
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks prefill would select for x [B, S, D]: idx [B, S, G, n] (ascending, -1 padded)."""
-        q, k, _ = self._qkv(x)
+        q, k, _ = self.project(x)
         return tb.select_blocks(q, self.cmp_k(k), self.cfg)
 
     def fill_cache(self, x: torch.Tensor, cache: DecodeCache) -> None:
         """Prefill only the cache (raw and compressed K/V) from x [B, S, D], no attention."""
-        _, k, v = self._qkv(x)
+        _, k, v = self.project(x)
         cache.write_prefill(k, v, self.cmp_k(k), self.cmp_v(v))
 
     # -- decode --------------------------------------------------------------------------
@@ -155,14 +164,14 @@ class NSAAttention(nn.Module):
         Sets ``cache.reads[branch]`` [B, G]: KV tokens the branch read, from the tensors it used,
         and ``cache.idx`` [B, G, n]: the blocks this step selected."""
         cfg = self.cfg
-        q, k, v = self._qkv(x)
+        q, k, v = self.project(x)
         t = cache.length
         span = cache.append(k, v)
         if span is not None:
             i = (span[0]) // cfg.cmp_stride
             cache.k_cmp[:, i:i + 1] = self.cmp_k(cache.k[:, span[0]:span[1]])
             cache.v_cmp[:, i:i + 1] = self.cmp_v(cache.v[:, span[0]:span[1]])
-        g = self._gates(x, only)
+        g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
         route = routing.decide(self.policy, "decode", "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
         if route.backend != "torch":      # one fused step for the three branches (kernels/decode.py)
@@ -170,7 +179,7 @@ class NSAAttention(nn.Module):
             with routing.profiler_range("decode", "step"):
                 outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
             cache.reads = {br: reads[br] for br in want}
-            return self._mix(g, {br: outs[br][:, None] for br in want},
+            return self.mix(g, {br: outs[br][:, None] for br in want},
                              q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
         parts, reads = {}, {}
@@ -186,4 +195,4 @@ class NSAAttention(nn.Module):
             parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase="decode", want_used=True)
             reads["win"] = used[:, 0]
         cache.reads = reads
-        return self._mix(g, parts, q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))
+        return self.mix(g, parts, q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))

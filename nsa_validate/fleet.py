@@ -23,6 +23,8 @@ def _key_figures(res: dict) -> dict:
         if c["id"].startswith("bench[") and "sel_fwd" in m:
             S = c["id"][len("bench[S"):-1]
             out["sel fwd/bwd ms @" + S] = f"{m['sel_fwd']['median_ms']:.2f} / {m['sel_bwd']['median_ms']:.2f}"
+    for s in suites.values():                           # figures a suite declares (the layer suite)
+        out.update(((s.get("extra") or {}).get("summary")) or {})
     sug = ((suites.get("fa2") or {}).get("extra") or {}).get("suggest")
     if sug:
         out["FA-2 suggestion"] = ", ".join(f"{k}={v}" for k, v in sug.items())

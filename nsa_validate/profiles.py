@@ -71,6 +71,22 @@ class DecodeCfg:
 
 
 @dataclass
+class LayerCfg:
+    """The whole-layer prefill bench (suites/test_layer.py, nsa_validate/bench/layer.py)."""
+    shapes: list[list[int]] = field(default_factory=lambda: [[1, 128], [2, 256]])   # [B, S]
+    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])           # [d_k, d_v]
+    d_model: int = 64
+    kv_heads: int = 2                   # G
+    heads_per_group: int = 2            # h
+    blocks: str = "tiny"                # "paper" (l=32, d=16, l'=64, n=16, w=512) | "tiny"
+    dtype: str = "fp32"
+    budget_ms: float = 200.0            # per timing (at least 3 samples whatever the budget)
+    stages: bool = True                 # the per-stage breakdown of every row
+    needle_len: int | None = None       # the needle case's context (None: the longest shape's S)
+    routing: RoutingPolicy | None = None  # the layer's routing; None: the profile's own
+
+
+@dataclass
 class SuitesCfg:
     timeout_s: dict[str, int] = field(default_factory=dict)
     sanity: SanityCfg = field(default_factory=SanityCfg)
@@ -78,6 +94,7 @@ class SuitesCfg:
     triton: TritonCfg = field(default_factory=TritonCfg)
     fa2: Fa2Cfg = field(default_factory=Fa2Cfg)
     decode: DecodeCfg = field(default_factory=DecodeCfg)
+    layer: LayerCfg = field(default_factory=LayerCfg)
 
 
 @dataclass
@@ -88,6 +105,10 @@ class ExpectCfg:
     peak_bandwidth_gbs: float | None = None      # spec-sheet HBM bandwidth
     decode_roofline_min: float | None = None     # fraction of measured copy bandwidth
     decode_speedup_min: float | None = None      # vs dense at the longest context
+    # the whole layer vs the fastest same-bytes dense layer (dense ms / NSA ms) at the longest
+    # context of the layer suite, B=1: forward, and forward+backward
+    layer_fwd_speedup_min: float | None = None
+    layer_fwdbwd_speedup_min: float | None = None
 
 
 @dataclass

@@ -57,6 +57,9 @@ def render(res: dict) -> str:
                          for n, s in res["suites"].items()]))
     if v["blocking"]:
         out += ["### What blocks a pass", ""] + [f"- {b}" for b in v["blocking"]] + [""]
+    for n, s in res["suites"].items():                  # sections a suite places at the top (the layer)
+        if (s.get("extra") or {}).get("placement") == "top":
+            out += _extra(n, s["extra"], titled=False)
 
     findings = res.get("env", {}).get("findings", [])
     if findings:
@@ -88,13 +91,8 @@ def render(res: dict) -> str:
         out += ["## Decode reads per step (paper Table 4), measured from gathered indices", "", md_table(rows)]
 
     for n, s in res["suites"].items():
-        extra = s.get("extra") or {}
-        for title, rows in (extra.get("tables") or {}).items():
-            out += [f"## {n}: {title}", "", md_table(rows)]
-        for note in extra.get("notes") or []:
-            out.append(f"- {note}")
-        for plot in extra.get("plots") or []:
-            out += [f"![{Path(plot).stem}]({plot})", ""]
+        if (s.get("extra") or {}).get("placement") != "top":
+            out += _extra(n, s.get("extra") or {}, titled=True)
 
     rt = res.get("routing") or {}
     if rt:
@@ -133,6 +131,17 @@ def render(res: dict) -> str:
 
     out += ["## Recommendations", ""] + [f"- {r}" for r in recommendations(res)] + [""]
     return "\n".join(out)
+
+
+def _extra(suite: str, extra: dict, titled: bool) -> list[str]:
+    """A suite's own tables, notes and plots (``titled``: table titles prefixed with the suite)."""
+    out = []
+    for title, rows in (extra.get("tables") or {}).items():
+        out += [f"## {suite + ': ' if titled else ''}{title}", "", md_table(rows)]
+    out += [f"- {note}" for note in extra.get("notes") or []]
+    for plot in extra.get("plots") or []:
+        out += ["", f"![{Path(plot).stem}]({plot})", ""]
+    return out + [""]
 
 
 def recommendations(res: dict) -> list[str]:

@@ -78,17 +78,19 @@ def _capture(fn: Callable[[], object]) -> Callable[[], None]:
 def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, reps: int | None = None,
           budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 200, l2_flush: bool = True,
           graph: bool = False, telemetry: bool = True) -> Timing:
-    """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps])
-    after the warmup calls. ``graph``: time replays of a CUDA graph of fn (GPU only)."""
+    """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps]),
+    sized by one timed call after the warmup calls; else exactly ``reps``. ``graph``: time
+    replays of a CUDA graph of fn (GPU only)."""
     def n_reps(est_ms: float) -> int:
         return reps or max(min_reps, min(max_reps, int(budget_ms / max(est_ms, 1e-3))))
 
     if device != "cuda":
         for _ in range(warmup):
             fn()
-        t0 = time.perf_counter()
-        fn()
-        n = n_reps((time.perf_counter() - t0) * 1e3)
+        if reps is None:            # one timed call to size the run
+            t0 = time.perf_counter()
+            fn()
+        n = reps or n_reps((time.perf_counter() - t0) * 1e3)
         samples = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -102,12 +104,13 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
         run()
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if l2_flush else None
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    run()
-    e1.record()
-    torch.cuda.synchronize()
-    n = n_reps(e0.elapsed_time(e1))
+    if reps is None:                # one timed call to size the run
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        torch.cuda.synchronize()
+    n = reps or n_reps(e0.elapsed_time(e1))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):

@@ -26,6 +26,8 @@ SUITES = {s.name: s for s in [
     Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
     Suite("decode", "test_decode.py",
           "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline"),
+    Suite("layer", "test_layer.py",
+          "the whole NSA layer (prefill fwd, fwd+bwd, peak memory, stage breakdown) vs a dense layer; needle at long range"),
     Suite("counters", "test_counters.py",
           "decode read counters measured from the gathered indices == formula at every step; paper Table 4"),
 ]}

@@ -366,7 +366,8 @@ def test_prefill_paper_config(S, record):
 
 
 # -- benchmark (GPU) -----------------------------------------------------------------------
-BENCH_TABLE = "selection kernel vs dense causal attention (bf16, B=1, H=64, G=4, d=128, l'=64, n=16)"
+BENCH_TABLE = ("selection kernel alone (one branch, not the layer: see the layer suite) vs dense causal attention "
+               "(bf16, B=1, H=64, G=4, d=128, l'=64, n=16)")
 REFERENCE_64K = {"fwd": 24.5, "bwd": 33.8}     # SPEC §9: XunhaoLai/native-sparse-attention-triton on an H100
 
 

@@ -90,8 +90,11 @@ def test_strict_fails_on_a_skipped_case(tmp_path):
 
 def test_sigint_leaves_folder_marked_interrupted(tmp_path):
     env = dict(os.environ, NO_COLOR="1")
+    # a runner started in the background by a shell without job control inherits SIGINT ignored
+    # (POSIX); Ctrl-C at a terminal is what this test stands for, so the child gets the default
     p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "counters", "sanity", "--out", str(tmp_path)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob("*/*/suites/counters.records.jsonl")):
         time.sleep(0.2)
@@ -129,6 +132,9 @@ def _small_profile(tmp_path) -> Path:
     # under pytest too)
     prof["suites"]["counters"]["effect_layers"] = ["tiny"]
     prof["suites"]["decode"]["effect_contexts"] = []
+    # layer: one small shape (suites/test_layer.py runs the profile's under pytest)
+    prof["suites"]["layer"].update(shapes=prof["suites"]["layer"]["shapes"][:1], stages=False)
+    prof["expect"].update(layer_fwd_speedup_min=None, layer_fwdbwd_speedup_min=None)
     path = tmp_path / f"{name}-small.yaml"
     path.write_text(yaml.safe_dump(prof))
     return path

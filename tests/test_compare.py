@@ -25,7 +25,7 @@ def _timing(median_ms: float, spread: float, seed: int) -> dict:
 
 
 def make_run(root: Path, name: str, step_ms: float = 0.142, spread: float = 0.01, gpu=H100, seed: int = 0,
-             parity: str = "pass", profile: str = "sm90") -> Path:
+             parity: str = "pass", profile: str = "sm90", layer_fwd_ms: float | None = None) -> Path:
     d = root / name
     d.mkdir(parents=True)
     suites = {
@@ -39,6 +39,12 @@ def make_run(root: Path, name: str, step_ms: float = 0.142, spread: float = 0.01
         "fa2": SuiteResult("fa2", "skip", 0.1, [CaseRecord("window_branch[flash_attn-bf16]", "fa2", "skip",
                                                            "flash_attn: flash-attn is not installed")]),
     }
+    if layer_fwd_ms is not None:       # the layer suite's bench case, as suites/test_layer.py records it
+        suites["layer"] = SuiteResult("layer", "pass", 60.0, [
+            CaseRecord("bench[B1-S65536-dk128-dv128]", "layer", "pass",
+                       metrics={"nsa_fwd": _timing(layer_fwd_ms, spread, seed + 2),
+                                "nsa_fwdbwd": _timing(956.0, spread, seed + 3),
+                                "dense_flash_attn_fwd": _timing(184.0, spread, seed + 4)})])
     res = {"schema_version": SCHEMA_VERSION,
            "manifest": {"started": "2026-11-21T00:00:00+00:00", "status": "complete", "commit": "abc1234",
                         "dirty": False, "command": ["nsa-validate", "oneshot"], "profile": profile},
@@ -62,6 +68,15 @@ def test_20pct_slower_decode_step_is_a_regression(tmp_path):
     regs = json.loads(r.stdout)["regressions"]
     assert len(regs) == 1 and regs[0].startswith("decode/bench[B16-S65536]/graph"), regs
     assert 15 < float(regs[0].rsplit("(+", 1)[1].rstrip("%)")) < 25, regs
+
+
+def test_20pct_slower_layer_forward_is_a_regression(tmp_path):
+    a = make_run(tmp_path, "a", layer_fwd_ms=753.0)
+    b = make_run(tmp_path, "b", layer_fwd_ms=753.0 * 1.2, seed=7)
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    assert r.returncode == 1, r.stderr
+    regs = json.loads(r.stdout)["regressions"]
+    assert len(regs) == 1 and regs[0].startswith("layer/bench[B1-S65536-dk128-dv128]/nsa_fwd"), regs
 
 
 def test_slowdown_inside_the_recorded_noise_passes(tmp_path):

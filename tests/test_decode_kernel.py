@@ -27,7 +27,7 @@ def layer(request):
 
 def _cache_at(m, x, t, dtype):
     """Cache holding tokens 0..t of x (NaN past them), and q of token t."""
-    q, k, v = m._qkv(x[:, :t + 1])
+    q, k, v = m.project(x[:, :t + 1])
     cache = DecodeCache(CFG, x.shape[0], x.shape[1], device=DEV, dtype=dtype)
     cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
     return q[:, t], cache
@@ -87,7 +87,7 @@ def test_graph_step_writes_the_token_and_allocates_nothing():
     x = torch.randn(2, 100, CFG.d_model, device=DEV)
     t = 63
     with torch.no_grad():
-        q, k, v = m._qkv(x[:, :t + 1])
+        q, k, v = m.project(x[:, :t + 1])
         cache = DecodeCache(CFG, 2, 100, device=DEV)
         cache.write_prefill(k[:, :t], v[:, :t], m.cmp_k(k), m.cmp_v(v))      # token t not yet written
         step = DecodeStep(CFG, cache)

@@ -124,7 +124,7 @@ def test_decode_row_equals_the_prefill_oracle_row(t):
     x = torch.randn(2, t + 1, cfg.d_model)
     with torch.no_grad():
         full = reference.forward(m, x)
-        q, k, v = m._qkv(x)
+        q, k, v = m.project(x)
         row = reference.decode_row(q[:, t], k, v, m.cmp_k(k), m.cmp_v(v), t, cfg)
     assert torch.equal(row["idx"], full["idx"][:, t])
     for br in BRANCHES:

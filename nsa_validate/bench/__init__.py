@@ -1,0 +1,1 @@
+"""Benchmarks as plain functions returning typed rows (the suites parametrise and assert)."""

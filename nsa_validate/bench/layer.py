@@ -1,0 +1,313 @@
+"""The whole NSA layer against a dense attention layer: prefill forward, forward+backward, peak memory,
+and where the time goes. Plain functions returning typed rows; usable from a Python prompt:
+
+    >>> from nsa_validate.bench import layer
+    >>> from nsa_core.routing import RoutingPolicy
+    >>> shape = layer.Shape(B=1, S=16384, d_model=2048, G=4, h=16, d_k=128, d_v=128)
+    >>> row = layer.measure(shape, RoutingPolicy(sel_triton_min_len=1024), device="cuda")
+
+What is timed is what people run: ``NSAAttention`` (q/k/v projections, φ, block scoring, the three
+branches as the routing policy picks them, gate, mix, output projection) on x [B, S, D]; forward
+under ``no_grad``, and forward+backward (the gradients of x and every parameter). The dense layer
+does the same projections with one causal attention over all tokens: SDPA on its fused backends
+(never the math path) and flash-attn when installed. Where a kernel cannot take d_v ≠ d_k, v is
+zero-padded to d_k (that reads more bytes than the dense layer needs), and a second, same-bytes
+dense layer with d = (d_k + d_v)/2 for q, k and v is measured too; both are labelled.
+
+Every timing is a ``timing.bench`` (CUDA events; L2 flushed), and host time (the Python call
+until it returns, before any synchronisation) is recorded beside it: a row whose host time
+exceeds its GPU time by 1.5x is host-bound. A measurement that runs out of memory is recorded as
+``oom`` and the sweep goes on.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nsa_core import NSAAttention, routing
+from nsa_core.config import NSAConfig
+from nsa_core.routing import BRANCHES, RoutingPolicy
+from nsa_validate import timing
+
+HOST_BOUND = 1.5            # host time / GPU time above which a row is labelled host-bound
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One layer and input: x [B, S, d_model]; G KV heads, h query heads per group."""
+    B: int
+    S: int
+    d_model: int
+    G: int
+    h: int
+    d_k: int
+    d_v: int
+    dtype: str = "bf16"
+    blocks: str = "paper"       # "paper": l=32, d=16, l'=64, n=16, w=512; "tiny": l=8, d=4, l'=16, n=4, w=64
+
+    def config(self) -> NSAConfig:
+        geometry = dict(cmp_len=32, cmp_stride=16, block_size=64, n_selected=16, window=512) if self.blocks == "paper" \
+            else dict(cmp_len=8, cmp_stride=4, block_size=16, n_selected=4, window=64)
+        return NSAConfig(d_model=self.d_model, n_kv_heads=self.G, heads_per_group=self.h, d_k=self.d_k,
+                         d_v=self.d_v, **geometry)
+
+    @property
+    def label(self) -> str:
+        return f"B{self.B}-S{self.S}-dk{self.d_k}-dv{self.d_v}"
+
+
+@dataclass
+class Measured:
+    """One timed function: GPU (or CPU) time, host time, peak memory; or ``oom``."""
+    ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    host_ms: float | None = None
+    peak_gib: float | None = None
+    timer: str = ""
+    oom: str = ""                   # "" or what ran out of memory, with the size it tried
+    timing: timing.Timing | None = field(default=None, repr=False)
+
+    @property
+    def host_bound(self) -> bool:
+        return self.ms is not None and self.host_ms is not None and self.timer != "cpu" \
+            and self.host_ms > HOST_BOUND * self.ms
+
+
+@dataclass
+class Row:
+    """One (shape, routing): the NSA layer, the dense layers, the stage breakdown."""
+    shape: Shape
+    routes: dict[str, str]                                   # branch -> backend that ran (dispatch log)
+    nsa_fwd: Measured
+    nsa_fwdbwd: Measured
+    dense_fwd: dict[str, Measured]                           # dense layer name -> forward
+    dense_fwdbwd: dict[str, Measured]
+    dense: dict[str, Dense]                                  # dense layer name -> what it is
+    stages_fwd: dict[str, Measured] = field(default_factory=dict)
+    stages_bwd: dict[str, Measured] = field(default_factory=dict)
+    log: routing.DispatchLog | None = field(default=None, repr=False)   # what the untimed forward ran
+
+    def best_dense(self, phase: str) -> tuple[str, Measured] | None:
+        """The fastest dense layer that reads no more than the NSA layer's K/V bytes per token
+        (padded layers are not a fair baseline once a same-bytes one exists)."""
+        got = {k: m for k, m in (self.dense_fwd if phase == "fwd" else self.dense_fwdbwd).items()
+               if m.ms is not None and "padded" not in k}
+        return min(got.items(), key=lambda kv: kv[1].ms) if got else None
+
+    def speedup(self, phase: str) -> float | None:
+        """dense / NSA for ``phase`` ("fwd" or "fwdbwd"): > 1 means the NSA layer is faster."""
+        nsa = self.nsa_fwd if phase == "fwd" else self.nsa_fwdbwd
+        best = self.best_dense(phase)
+        return best[1].ms / nsa.ms if best and nsa.ms else None
+
+
+# -- the dense layer --------------------------------------------------------------------------
+class DenseLayer(nn.Module):
+    """The dense counterpart of an NSA layer: the same q/k/v/o projections (H·d_k, G·d_k, G·d_v,
+    H·d_v) and one causal attention over every token. ``backend``: "sdpa" or "flash_attn".
+    ``pad_v``: zero-pad v to d_k for kernels that need one head dim (output sliced back)."""
+
+    def __init__(self, d_model: int, G: int, h: int, d_k: int, d_v: int, backend: str, pad_v: bool = False) -> None:
+        super().__init__()
+        self.G, self.h, self.d_k, self.d_v, self.backend, self.pad_v = G, h, d_k, d_v, backend, pad_v
+        H = G * h
+        self.q_proj = nn.Linear(d_model, H * d_k, bias=False)
+        self.k_proj = nn.Linear(d_model, G * d_k, bias=False)
+        self.v_proj = nn.Linear(d_model, G * d_v, bias=False)
+        self.o_proj = nn.Linear(H * d_v, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        H = self.G * self.h
+        q = self.q_proj(x).view(B, S, H, self.d_k)
+        k = self.k_proj(x).view(B, S, self.G, self.d_k)
+        v = self.v_proj(x).view(B, S, self.G, self.d_v)
+        if self.pad_v:
+            v = F.pad(v, (0, self.d_k - self.d_v))
+        if self.backend == "flash_attn":
+            from flash_attn import flash_attn_func
+            o = flash_attn_func(q, k, v, causal=True)                       # GQA native
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+            with sdpa_kernel(fused if x.is_cuda else [SDPBackend.MATH]):
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True, enable_gqa=True).transpose(1, 2)
+        return self.o_proj(o[..., :self.d_v].reshape(B, S, H * self.d_v))
+
+
+@dataclass(frozen=True)
+class Dense:
+    """One dense layer to compare with: its backend and head dims, and what it is (``label``)."""
+    name: str
+    label: str
+    backend: str
+    d_k: int
+    d_v: int
+    pad_v: bool = False
+
+    def make(self, shape: Shape) -> DenseLayer:
+        return DenseLayer(shape.d_model, shape.G, shape.h, self.d_k, self.d_v, self.backend, self.pad_v)
+
+    @property
+    def attention_dims(self) -> tuple[int, int]:
+        """(d_k, d_v) the attention kernel works on (padded v counts as d_k)."""
+        return (self.d_k, self.d_k if self.pad_v else self.d_v)
+
+
+def dense_layers(shape: Shape, device: str) -> dict[str, Dense]:
+    """The dense layers to compare with: each backend at the layer's own dims; where it needs
+    d_v = d_k, padded v plus a same-bytes layer."""
+    out = {}
+    backends = ["sdpa"] + (["flash_attn"] if device == "cuda" and _has_flash_attn() else [])
+    same = 8 * math.ceil((shape.d_k + shape.d_v) / 16)          # (d_k + d_v)/2, a multiple of 8
+    for be in backends:
+        if shape.d_k == shape.d_v or (be == "sdpa" and _sdpa_takes_dv(shape, device)):
+            out[be] = Dense(be, f"{be}, d_k={shape.d_k}, d_v={shape.d_v}", be, shape.d_k, shape.d_v)
+        else:
+            out[f"{be}_padded"] = Dense(f"{be}_padded", f"{be}, v zero-padded to {shape.d_k} (reads more than "
+                                        "the dense layer needs)", be, shape.d_k, shape.d_v, pad_v=True)
+            out[f"{be}_samebytes"] = Dense(f"{be}_samebytes", f"{be}, same bytes: d_k=d_v={same} (K+V bytes per "
+                                           f"token as {shape.d_k}+{shape.d_v})", be, same, same)
+    return out
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _sdpa_takes_dv(shape: Shape, device: str) -> bool:
+    """Does a fused SDPA backend take d_v ≠ d_k here? Tried on a tiny input."""
+    if device != "cuda":
+        return True                                                    # the math path takes anything
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.zeros(1, shape.G * shape.h, 8, shape.d_k, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, shape.G, 8, shape.d_k, device=device, dtype=torch.bfloat16)
+    v = torch.zeros(1, shape.G, 8, shape.d_v, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+# -- measuring ------------------------------------------------------------------------------
+def _time(fn: Callable[[], object], device: str, budget_ms: float) -> Measured:
+    """timing.bench plus host time and peak memory of one call; ``oom`` instead of raising."""
+    if device != "cuda":            # one call: a CPU timing is noise, and the interpreter is slow
+        tm = timing.bench(fn, device=device, warmup=0, reps=1)
+        return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, tm.median_ms, None, tm.timer, timing=tm)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        fn()                                            # also the warmup
+        host = (time.perf_counter() - t0) * 1e3
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        tm = timing.bench(fn, device=device, warmup=1, budget_ms=budget_ms, min_reps=3, max_reps=50, telemetry=False)
+        return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, host, peak, tm.timer, timing=tm)
+    except torch.cuda.OutOfMemoryError as e:
+        return Measured(oom=f"out of memory: {str(e).splitlines()[0][:160]}")
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _fwd_bwd(m: nn.Module, x: torch.Tensor, dout: torch.Tensor) -> Callable[[], object]:
+    """Forward then the gradients of x and every parameter (nothing accumulates between calls)."""
+    xs = x.detach().requires_grad_(True)
+    inputs = [xs, *[p for p in m.parameters() if p.requires_grad]]
+    return lambda: torch.autograd.grad(m(xs), inputs, dout)
+
+
+def build(shape: Shape, policy: RoutingPolicy, device: str, seed: int = 0) -> tuple[NSAAttention, torch.Tensor]:
+    """The NSA layer (weights in the shape's dtype) and an input x [B, S, D]."""
+    from nsa_validate.tolerance import DTYPES
+    dtype = DTYPES[shape.dtype]
+    torch.manual_seed(seed)
+    m = NSAAttention(shape.config(), policy).to(device=device, dtype=dtype)
+    x = torch.randn(shape.B, shape.S, shape.d_model, device=device, dtype=dtype)
+    return m, x
+
+
+def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,
+            stages: bool = True, capture=routing.capture) -> Row:
+    """Time the NSA layer and its dense counterparts on one shape (see the module docstring).
+    ``capture``: the context manager (yielding a ``routing.DispatchLog``) one untimed forward runs
+    in first, e.g. a suite's recorder that also watches the GPU's kernels; ``Row.log`` keeps it."""
+    m, x = build(shape, policy, device)
+    dout = torch.randn_like(x)
+    with torch.no_grad(), capture() as log:
+        m(x)
+    routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in BRANCHES}
+    with torch.no_grad():
+        fwd = _time(lambda: m(x), device, budget_ms)
+    fwdbwd = _time(_fwd_bwd(m, x, dout), device, budget_ms)
+    dense_fwd, dense_fwdbwd = {}, {}
+    dense = dense_layers(shape, device)
+    for name, spec in dense.items():
+        torch.manual_seed(1)
+        d = spec.make(shape).to(device=device, dtype=x.dtype)
+        with torch.no_grad():
+            dense_fwd[name] = _time(lambda: d(x), device, budget_ms)
+        dense_fwdbwd[name] = _time(_fwd_bwd(d, x, dout), device, budget_ms)
+        del d
+    row = Row(shape, routes, fwd, fwdbwd, dense_fwd, dense_fwdbwd, dense, log=log)
+    if stages and fwd.ms is not None:
+        row.stages_fwd, row.stages_bwd = breakdown(m, x, device, budget_ms)
+    return row
+
+
+STAGES = ("projections", "compression", "cmp attention", "scoring + top-n", "sel attention",
+          "win attention", "gate + mix")
+
+
+def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -> tuple[dict, dict]:
+    """Each stage of the layer timed alone on the inputs the layer gives it, forward and (where it
+    has a gradient) backward: {stage: Measured}. The stages' sum next to the whole layer's time
+    shows what the stage boundaries cost (launches, host work, synchronisations)."""
+    S = x.shape[1]
+    routes = m.routes(S, x.device, x.dtype)
+    with torch.no_grad():
+        q, k, v = m.project(x)
+        k_cmp, v_cmp = m.cmp_k(k), m.cmp_v(v)
+        idx = m.select_from(q, k_cmp)
+        parts = {"cmp": m.run_branch("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp),
+                 "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
+                 "win": m.run_branch("win", routes, q=q, k=k, v=v)}
+    like = q.new_zeros(*q.shape[:3], m.cfg.d_v)
+    fns = {"projections": (lambda x: m.project(x), (x,)),
+           "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
+           "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
+           "scoring + top-n": (lambda q, kc: m.select_from(q, kc), (q, k_cmp)),
+           "sel attention": (lambda q, k, v: m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx), (q, k, v)),
+           "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v)),
+           "gate + mix": (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), like), (x, *parts.values()))}
+    fwd, bwd = {}, {}
+    for name, (fn, args) in fns.items():
+        with torch.no_grad():
+            fwd[name] = _time(lambda: fn(*args), device, budget_ms)
+        if name == "scoring + top-n":                     # discrete: no gradient flows through it
+            continue
+        leaves = [a.detach().requires_grad_(True) for a in args]
+        params = [p for p in m.parameters() if p.requires_grad]
+        out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = [torch.randn_like(o) for o in outs]
+        wrt = leaves + params
+        bwd[name] = _time(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True),
+                          device, budget_ms)
+        del out, outs, grads
+    return fwd, bwd
+

@@ -1,0 +1,154 @@
+"""The layer suite's output: ``layer.csv``, the time-vs-S plot, the report's "Whole layer" section
+(placed near the top of report.md) and the suite's declared headline figures, from the rows the
+``layer`` suite measured (``nsa_validate.bench.layer.Row``)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from nsa_validate.bench.layer import STAGES, Measured, Row
+
+TABLE = "Whole layer: NSA prefill vs the fastest same-bytes dense layer (ms, medians)"
+DENSE_TABLE = "Whole layer: every dense layer measured (ms, medians)"
+STAGE_TABLE = "Whole layer: where the time goes (each stage alone, ms; forward / backward)"
+
+
+def records(rows: list[Row]) -> list[dict]:
+    """One flat record per row: the CSV's columns."""
+    out = []
+    for r in rows:
+        s = r.shape
+        rec = {"B": s.B, "S": s.S, "d_k": s.d_k, "d_v": s.d_v, "dtype": s.dtype,
+               "routes": " ".join(f"{k}={v}" for k, v in r.routes.items())}
+        for phase in ("fwd", "fwdbwd"):
+            _put(rec, f"nsa_{phase}", getattr(r, f"nsa_{phase}"))
+            for name, m in getattr(r, f"dense_{phase}").items():
+                _put(rec, f"dense_{name}_{phase}", m)
+            best = r.best_dense(phase)
+            rec[f"best_dense_{phase}"] = best[0] if best else None
+            rec[f"speedup_{phase}"] = r.speedup(phase)
+        for st in STAGES:
+            rec[f"stage_fwd_{st}_ms"] = _ms(r.stages_fwd.get(st))
+            rec[f"stage_bwd_{st}_ms"] = _ms(r.stages_bwd.get(st))
+        rec["stages_fwd_sum_ms"] = _sum(r.stages_fwd.values())
+        rec["stages_bwd_sum_ms"] = _sum(r.stages_bwd.values())
+        rec["timer"] = r.nsa_fwd.timer or r.nsa_fwdbwd.timer
+        rec["host_bound"] = r.nsa_fwd.host_bound or r.nsa_fwdbwd.host_bound
+        out.append(rec)
+    return out
+
+
+def _put(rec: dict, key: str, m: Measured) -> None:
+    rec[f"{key}_ms"], rec[f"{key}_p20_ms"], rec[f"{key}_p80_ms"] = m.ms, m.p20_ms, m.p80_ms
+    rec[f"{key}_host_ms"], rec[f"{key}_peak_gib"], rec[f"{key}_oom"] = m.host_ms, m.peak_gib, m.oom or None
+
+
+def _ms(m: Measured | None) -> float | None:
+    return None if m is None else m.ms
+
+
+def _sum(ms) -> float | None:
+    vals = [m.ms for m in ms if m.ms is not None]
+    return sum(vals) if vals else None
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    return f"{x:.{digits}f}"
+
+
+def _cell(m: Measured, digits: int = 3) -> str:
+    return f"oom ({m.oom[:60]})" if m.oom else _f(m.ms, digits)
+
+
+def finish(rows: list[Row], extra, device: str) -> pd.DataFrame:
+    """CSV and plot under ``extra.dir`` (when set), the report tables and notes, the headline."""
+    recs = records(rows)
+    df = pd.DataFrame(recs).sort_values(["d_k", "B", "S"])
+    if extra.dir is not None:
+        extra.dir.mkdir(parents=True, exist_ok=True)
+        df.to_csv(extra.dir / "layer.csv", index=False)
+        _plot(rows, extra)
+    extra.set("placement", "top")
+    for r in sorted(rows, key=lambda r: (r.shape.d_k, r.shape.B, r.shape.S)):
+        s = r.shape
+        bf, bb = r.best_dense("fwd"), r.best_dense("fwdbwd")
+        extra.row(TABLE, {
+            "B": s.B, "S": s.S, "d_k/d_v": f"{s.d_k}/{s.d_v}", "routes": ", ".join(f"{k}={v}" for k, v in r.routes.items()),
+            "NSA fwd": _cell(r.nsa_fwd), "NSA fwd+bwd": _cell(r.nsa_fwdbwd),
+            "NSA peak GiB fwd / fwd+bwd": f"{_f(r.nsa_fwd.peak_gib, 1)} / {_f(r.nsa_fwdbwd.peak_gib, 1)}",
+            "dense fwd": f"{_cell(bf[1])} ({bf[0]})" if bf else "",
+            "dense fwd+bwd": f"{_cell(bb[1])} ({bb[0]})" if bb else "",
+            "dense peak GiB fwd+bwd": _f(bb[1].peak_gib, 1) if bb else "",
+            "x dense fwd": _f(r.speedup("fwd"), 2), "x dense fwd+bwd": _f(r.speedup("fwdbwd"), 2),
+            "host-bound": "yes" if (r.nsa_fwd.host_bound or r.nsa_fwdbwd.host_bound) else "no",
+            "NSA host ms fwd": _f(r.nsa_fwd.host_ms)})
+        for name, spec in r.dense.items():
+            extra.row(DENSE_TABLE, {"B": s.B, "S": s.S, "d_k/d_v": f"{s.d_k}/{s.d_v}", "dense layer": spec.label,
+                                    "fwd": _cell(r.dense_fwd[name]), "fwd+bwd": _cell(r.dense_fwdbwd[name]),
+                                    "peak GiB fwd+bwd": _f(r.dense_fwdbwd[name].peak_gib, 1)})
+        if r.stages_fwd:
+            extra.row(STAGE_TABLE, {"B": s.B, "S": s.S, "d_k/d_v": f"{s.d_k}/{s.d_v}",
+                                    **{st: f"{_cell(r.stages_fwd[st])} / {_cell(r.stages_bwd[st]) if st in r.stages_bwd else '-'}"
+                                       for st in STAGES if st in r.stages_fwd},
+                                    "sum": f"{_f(_sum(r.stages_fwd.values()))} / {_f(_sum(r.stages_bwd.values()))}",
+                                    "whole layer": f"{_cell(r.nsa_fwd)} / {_cell(r.nsa_fwdbwd)} (fwd+bwd)"})
+    extra.note(f"whole layer on {device}: x [B, S, d_model] through NSAAttention (projections, φ, scoring, three "
+               "branches as routed, gate, mix, output projection) vs a dense layer with the same projections and one "
+               "causal attention; x dense = fastest dense layer that reads no more K/V bytes per token / NSA. Timings: "
+               "median of CUDA-event samples, L2 flushed; host = the Python call until it returns; a row is host-bound "
+               "when host time > 1.5x GPU time.")
+    timer = recs[0]["timer"] if recs else ""
+    if timer == "cpu":
+        extra.note("CPU run: the timer is the host's (perf_counter) and the kernels run under the Triton interpreter; "
+                   "these figures prove the plumbing only.")
+    extra.note("layer.csv columns: B, S, d_k, d_v, routes; per measurement <name>_{ms,p20_ms,p80_ms,host_ms,peak_gib,oom} "
+               "for nsa_fwd, nsa_fwdbwd, dense_<layer>_{fwd,fwdbwd}; best_dense_*, speedup_* (dense/NSA); "
+               "stage_{fwd,bwd}_<stage>_ms and their sums; timer; host_bound.")
+    extra.set("summary", headline(rows))
+    return df
+
+
+def headline(rows: list[Row]) -> dict[str, str]:
+    """The figures a fleet report shows for this suite: the longest B=1 context per head dims."""
+    out = {}
+    for dk, dv in sorted({(r.shape.d_k, r.shape.d_v) for r in rows}):
+        ones = [r for r in rows if r.shape.B == 1 and (r.shape.d_k, r.shape.d_v) == (dk, dv)]
+        if not ones:
+            continue
+        r = max(ones, key=lambda r: r.shape.S)
+        key = f"layer {dk}/{dv} @{r.shape.S}"
+        out[f"{key} fwd ms (x dense)"] = f"{_cell(r.nsa_fwd, 2)} ({_f(r.speedup('fwd'), 2)}x)"
+        out[f"{key} fwd+bwd ms (x dense)"] = f"{_cell(r.nsa_fwdbwd, 2)} ({_f(r.speedup('fwdbwd'), 2)}x)"
+    return out
+
+
+def _plot(rows: list[Row], extra) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ones = [r for r in rows if r.shape.B == 1]
+    if not ones:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for dk, dv in sorted({(r.shape.d_k, r.shape.d_v) for r in ones}):
+        rs = sorted((r for r in ones if (r.shape.d_k, r.shape.d_v) == (dk, dv)), key=lambda r: r.shape.S)
+        S = [r.shape.S for r in rs]
+        for phase, style in (("fwd", "-"), ("fwdbwd", "--")):
+            nsa = [getattr(r, f"nsa_{phase}").ms for r in rs]
+            dense = [(r.best_dense(phase) or (None, Measured()))[1].ms for r in rs]
+            tag = "fwd" if phase == "fwd" else "fwd+bwd"
+            ax.plot(S, [math.nan if v is None else v for v in nsa], "o" + style, label=f"NSA {tag} {dk}/{dv}")
+            ax.plot(S, [math.nan if v is None else v for v in dense], "s" + style, alpha=0.7, label=f"dense {tag} {dk}/{dv}")
+    ticks = sorted({r.shape.S for r in ones})
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S (B=1)", ylabel="ms (median)",
+           title="whole layer: NSA vs dense")
+    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(extra.dir / "layer_time.png", dpi=110)
+    plt.close(fig)
+    extra.plot(f"suites/{extra.dir.name}/layer_time.png")
