@@ -28,7 +28,7 @@ def test_list_json():
     r = cli("list", "--json")
     assert r.returncode == 0
     names = {s["name"] for s in json.loads(r.stdout)}
-    assert names == {"sanity", "triton", "fa2", "decode", "counters"}
+    assert names == {"sanity", "triton", "fa2", "decode", "layer", "counters"}
 
 
 def test_env_json_on_stdout_tables_on_stderr():
@@ -166,7 +166,7 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--json", *gate)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout)
-        for name in ("sanity", "counters"):
+        for name in ("sanity", "counters", "layer"):
             assert out["suites"][name]["status"] == "pass", name
         assert out["suites"]["triton"]["status"] == _triton_expected(), out["suites"]["triton"]
         assert out["suites"]["fa2"]["status"] == _fa2_expected(), out["suites"]["fa2"]
@@ -186,6 +186,7 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
     assert json.loads((dirs[1] / "results.json").read_text())["comparison"]["status"] == "pass"
     md = (dirs[0] / "report.md").read_text()
     assert "paper Table 4" in md and "| 65536 |" in md
+    assert md.index("## Whole layer") < md.index("## Parity against the fp32 oracle")    # near the top
     assert ("decode step (SPEC §6)" in md) == (_triton_expected() == "pass")
 
 

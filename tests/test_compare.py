@@ -164,7 +164,7 @@ def test_shards_balance_by_the_profile_timeouts():
     from nsa_validate.cli import _shard
     from nsa_validate.profiles import load
     prof = load("sm90")
-    names = ["sanity", "triton", "fa2", "decode", "counters"]
+    names = ["sanity", "triton", "fa2", "decode", "layer", "counters"]
     shards = _shard(names, prof, 2)
     assert sorted(n for q in shards for n in q) == sorted(names) and all(shards)
     assert _shard(names, prof, 1) == [names]
