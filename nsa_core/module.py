@@ -94,8 +94,7 @@ class NSAAttention(nn.Module):
 
     def routes(self, seq_len: int, device=None, dtype=None) -> dict[str, routing.Decision]:
         """The backend each prefill branch will use at this length, and why."""
-        return {br: routing.decide(self.policy, "prefill", br, seq_len, cfg=self.cfg,
-                                   device=device, dtype=dtype) for br in BRANCHES}
+        return routing.prefill_routes(self.policy, seq_len, cfg=self.cfg, device=device, dtype=dtype)
 
     def mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D]."""

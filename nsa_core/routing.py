@@ -101,6 +101,11 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
     return Decision(phase, branch, wanted, why)
 
 
+def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:
+    """The backend each prefill branch uses at this length under ``policy``, and why."""
+    return {br: decide(policy, "prefill", br, seq_len, **query) for br in BRANCHES}
+
+
 @dataclass(eq=False)      # identity: nested captures must each remove their own log
 class DispatchLog:
     """Counts of (phase, branch, backend) executions observed while active."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_core import NSAAttention
+from nsa_core import NSAAttention, routing
 from nsa_validate import layer_table
 from nsa_validate.bench import layer
 from nsa_validate.context import current
@@ -56,7 +56,7 @@ def _flops(shape: layer.Shape, dense_dims: tuple[int, int] | None) -> float:
 @pytest.mark.parametrize("shape", profile_cases([pytest.param(s, id=s.label) for s in SHAPES], "layer", "shapes", 1))
 def test_bench(shape, record):
     row = layer.measure(shape, ROUTING, DEV, budget_ms=CFG.budget_ms, stages=CFG.stages, capture=record.capture)
-    want = NSAAttention(shape.config(), ROUTING).routes(shape.S, torch.device(DEV), DTYPES[CFG.dtype])
+    want = routing.prefill_routes(ROUTING, shape.S, cfg=shape.config(), device=torch.device(DEV), dtype=DTYPES[CFG.dtype])
     for br, d in want.items():                # the routed path ran, by the dispatch log and the GPU's kernels
         record.expect_ran(row.log, "prefill", br, d.backend)
     record.metrics["routes"] = row.routes

@@ -34,6 +34,7 @@ from nsa_core import NSAAttention, routing
 from nsa_core.config import NSAConfig
 from nsa_core.routing import BRANCHES, RoutingPolicy
 from nsa_validate import timing
+from nsa_validate.tolerance import DTYPES
 
 HOST_BOUND = 1.5            # host time / GPU time above which a row is labelled host-bound
 
@@ -166,7 +167,9 @@ def dense_layers(shape: Shape, device: str) -> dict[str, Dense]:
     """The dense layers to compare with: each backend at the layer's own dims; where it needs
     d_v = d_k, padded v plus a same-bytes layer."""
     out = {}
-    backends = ["sdpa"] + (["flash_attn"] if device == "cuda" and _has_flash_attn() else [])
+    from kernels import fa2
+    dtype = DTYPES[shape.dtype]
+    backends = ["sdpa"] + (["flash_attn"] if fa2.unavailable("flash_attn", device=device, dtype=dtype) is None else [])
     same = 8 * math.ceil((shape.d_k + shape.d_v) / 16)          # (d_k + d_v)/2, a multiple of 8
     for be in backends:
         if shape.d_k == shape.d_v or (be == "sdpa" and _sdpa_takes_dv(shape, device)):
@@ -177,14 +180,6 @@ def dense_layers(shape: Shape, device: str) -> dict[str, Dense]:
             out[f"{be}_samebytes"] = Dense(f"{be}_samebytes", f"{be}, same bytes: d_k=d_v={same} (K+V bytes per "
                                            f"token as {shape.d_k}+{shape.d_v})", be, same, same)
     return out
-
-
-def _has_flash_attn() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-        return True
-    except Exception:
-        return False
 
 
 def _sdpa_takes_dv(shape: Shape, device: str) -> bool:
@@ -237,7 +232,6 @@ def _fwd_bwd(m: nn.Module, x: torch.Tensor, dout: torch.Tensor) -> Callable[[], 
 
 def build(shape: Shape, policy: RoutingPolicy, device: str, seed: int = 0) -> tuple[NSAAttention, torch.Tensor]:
     """The NSA layer (weights in the shape's dtype) and an input x [B, S, D]."""
-    from nsa_validate.tolerance import DTYPES
     dtype = DTYPES[shape.dtype]
     torch.manual_seed(seed)
     m = NSAAttention(shape.config(), policy).to(device=device, dtype=dtype)
