@@ -139,11 +139,16 @@ def test_layer_table(record, extra):
     record.metrics["rows"] = len(df)
     exp = CTX.profile.expect
     problems = []
+    # the bars are for the profile's longest B=1 context; a session that did not measure it (a
+    # -k subset) says so rather than hold a shorter row to them
+    longest = max((S for B, S in CFG.shapes if B == 1), default=None)
+    at = [r for r in ROWS if r.shape.B == 1 and r.shape.S == longest]
+    if not at:
+        record.metrics["expectations"] = f"not checked: B=1, S={longest} was not measured in this session"
     for phase, bar in (("fwd", exp.layer_fwd_speedup_min), ("fwdbwd", exp.layer_fwdbwd_speedup_min)):
         if bar is None or DEV != "cuda":
             continue
-        longest = max(r.shape.S for r in ROWS if r.shape.B == 1)
-        for r in (r for r in ROWS if r.shape.B == 1 and r.shape.S == longest):
+        for r in at:
             got = r.speedup(phase)
             if got is None or got < bar:
                 problems.append(f"{r.shape.label} {phase}: NSA layer {got if got is None else round(got, 3)}x dense < "
