@@ -99,7 +99,7 @@ class Row:
         """The fastest dense layer that reads no more than the NSA layer's K/V bytes per token
         (padded layers are not a fair baseline once a same-bytes one exists)."""
         got = {k: m for k, m in (self.dense_fwd if phase == "fwd" else self.dense_fwdbwd).items()
-               if m.ms is not None and "padded" not in k}
+               if m.ms is not None and not self.dense[k].pad_v}
         return min(got.items(), key=lambda kv: kv[1].ms) if got else None
 
     def speedup(self, phase: str) -> float | None:
