@@ -21,6 +21,7 @@ exceeds its GPU time by 1.5x is host-bound. A measurement that runs out of memor
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nsa_core import NSAAttention, routing
-from nsa_core.config import NSAConfig
+from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import BRANCHES, RoutingPolicy
 from nsa_validate import timing
 from nsa_validate.tolerance import DTYPES
@@ -53,10 +54,11 @@ class Shape:
     blocks: str = "paper"       # "paper": l=32, d=16, l'=64, n=16, w=512; "tiny": l=8, d=4, l'=16, n=4, w=64
 
     def config(self) -> NSAConfig:
-        geometry = dict(cmp_len=32, cmp_stride=16, block_size=64, n_selected=16, window=512) if self.blocks == "paper" \
-            else dict(cmp_len=8, cmp_stride=4, block_size=16, n_selected=4, window=64)
-        return NSAConfig(d_model=self.d_model, n_kv_heads=self.G, heads_per_group=self.h, d_k=self.d_k,
-                         d_v=self.d_v, **geometry)
+        """The paper's block geometry (``PAPER``) or the small one the decode suite's CPU runs use."""
+        dims = dict(d_model=self.d_model, n_kv_heads=self.G, heads_per_group=self.h, d_k=self.d_k, d_v=self.d_v)
+        if self.blocks == "paper":
+            return dataclasses.replace(PAPER, **dims)
+        return tiny(block_size=16, n_selected=4, window=64, **dims)
 
     @property
     def label(self) -> str:
@@ -285,7 +287,7 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
                  "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
                  "win": m.run_branch("win", routes, q=q, k=k, v=v)}
     like = q.new_zeros(*q.shape[:3], m.cfg.d_v)
-    fns = {"projections": (lambda x: m.project(x), (x,)),
+    fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
            "scoring + top-n": (lambda q, kc: m.select_from(q, kc), (q, k_cmp)),
