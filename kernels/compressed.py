@@ -1,0 +1,354 @@
+"""Triton compressed attention (NSA's compressed branch): forward with log-sum-exp, and backward.
+
+Query t of a sequence attends to the compressed tokens i of its own sequence with
+i·d + l − 1 <= t (the span [i·d, i·d + l) is complete by then); a query that sees none
+(t < l − 1) gets o = 0 and lse = +inf, never NaN. The log-sum-exp is what block scoring
+(``kernels/scoring.py``) needs to turn the scores into the branch's probabilities.
+
+Group-centric like the selection kernel: one program takes a tile of BT consecutive query tokens
+and all h query heads of one KV group (BT·h rows of one ``tl.dot``), so every compressed key and
+value it loads serves the whole group. The backward pass is two deterministic kernels, no atomics:
+
+* ``_cmp_dq_kernel``   — query-centric like the forward; also writes delta = rowsum(dO ∘ O).
+* ``_cmp_dkdv_kernel`` — key-centric: one program owns BC compressed tokens of one KV head and
+  walks every query tile that can see them (t >= i·d + l − 1), so it sums its own gradient.
+
+Layouts (packed variable length, like flash-attn's varlen API):
+    q        [T, H, d_k]     H = G·h; head ``g*h + i`` belongs to KV head g
+    k_cmp    [N, G, d_k]     compressed keys of every sequence, packed by ``cu_cmp``
+    v_cmp    [N, G, d_v]     d_v may differ from d_k
+    cu_seqlens [B + 1]       int32 boundaries of the raw sequences in T (empty sequences allowed)
+    cu_cmp   [B + 1]         int32 boundaries of their compressed tokens in N
+                             (N_b = n_cmp_total(S_b): (S_b − l) // d + 1 when S_b >= l, else 0)
+    o        [T, H, d_v]     q's dtype
+    lse      [T, H]          fp32 natural-log sum of exp of the scaled scores (+inf: no key)
+
+Token offsets are 64-bit; memory is O(T + N), no T×N matrix anywhere.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core import routing
+from kernels.selection import LOG2E, _pow2, _precision
+
+
+# -- kernels -------------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(t0, seq_len, g, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """Rows of a tile of BT tokens × BH heads: (token position in its sequence, query head, valid)."""
+    r = tl.arange(0, BT * BH)
+    t_rel = t0 + r // BH
+    hh = r % BH
+    return t_rel, g * H_PER_G + hh, (t_rel < seq_len) & (hh < H_PER_G)
+
+
+@triton.jit
+def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """Compressed tokens query t may use (integer division truncates: guard t + 1 < l)."""
+    return tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
+
+
+@triton.jit
+def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
+                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    cbos = tl.load(CUC + b)
+    n_seq = tl.load(CUC + b + 1) - cbos
+    t0 = tl.program_id(0) * BT
+    if t0 < seq_len:
+        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+        t = (bos + t_rel).to(tl.int64)
+        offs_c = tl.arange(0, BC)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
+                    mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
+        m_i = tl.full([BT * BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BT * BH], tl.float32)
+        acc = tl.zeros([BT * BH, BDV], tl.float32)
+        for c0 in range(0, n_hi, BC):
+            i = c0 + offs_c
+            inb = i < n_hi
+            kc = (cbos + i).to(tl.int64)
+            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :],
+                        mask=inb[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :],
+                        mask=inb[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        tl.store(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(LSE + t * slt + head * slh, lse, mask=ok)
+
+
+@triton.jit
+def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
+                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
+                   scale, scale_log2,
+                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                   BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    cbos = tl.load(CUC + b)
+    n_seq = tl.load(CUC + b + 1) - cbos
+    t0 = tl.program_id(0) * BT
+    if t0 < seq_len:
+        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+        t = (bos + t_rel).to(tl.int64)
+        offs_c = tl.arange(0, BC)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        dk_ok = offs_dk[None, :] < DK
+        dv_ok = offs_dv[None, :] < DV
+        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
+        do = tl.load(DO + t[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
+        o = tl.load(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+        # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
+        n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
+        dq = tl.zeros([BT * BH, BDK], tl.float32)
+        for c0 in range(0, n_hi, BC):
+            i = c0 + offs_c
+            inb = i < n_hi
+            kc = (cbos + i).to(tl.int64)
+            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :], mask=inb[:, None] & dk_ok, other=0.0)
+            v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :], mask=inb[:, None] & dv_ok, other=0.0)
+            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            # masked scores go to -inf before exp2: a score the forward never saw must not overflow
+            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        tl.store(DQ + t[:, None] * sdqt + head[:, None] * sdqh + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=ok[:, None] & dk_ok)
+
+
+@triton.jit
+def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, DKC, DVC,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, sdkt, sdkh, sdvt, sdvh,
+                     scale, scale_log2,
+                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+    """dk/dv of compressed tokens [pid·BC, (pid+1)·BC) of one sequence and KV head: every query
+    tile from the first one that sees token pid·BC to the end of the sequence."""
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    cbos = tl.load(CUC + b)
+    n_seq = tl.load(CUC + b + 1) - cbos
+    i0 = tl.program_id(0) * BC
+    if i0 < n_seq:
+        i = i0 + tl.arange(0, BC)
+        inb = i < n_seq
+        kc = (cbos + i).to(tl.int64)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        dk_ok = offs_dk[None, :] < DK
+        dv_ok = offs_dv[None, :] < DV
+        k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :], mask=inb[:, None] & dk_ok, other=0.0)
+        v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :], mask=inb[:, None] & dv_ok, other=0.0)
+        dk = tl.zeros([BC, BDK], tl.float32)
+        dv = tl.zeros([BC, BDV], tl.float32)
+        for t0 in range(i0 * CMP_STRIDE + CMP_LEN - 1, seq_len, BT):
+            t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+            t = (bos + t_rel).to(tl.int64)
+            q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
+            do = tl.load(DO + t[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
+                         mask=ok[:, None] & dv_ok, other=0.0)
+            lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
+            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])                                          # [rows, BC]
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        tl.store(DKC + kc[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DKC.dtype.element_ty),
+                 mask=inb[:, None] & dk_ok)
+        tl.store(DVC + kc[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DVC.dtype.element_ty),
+                 mask=inb[:, None] & dv_ok)
+
+
+# -- launchers -----------------------------------------------------------------------------
+def launch_config(kernel: str, h: int, BDK: int, BDV: int) -> dict:
+    """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = the
+    rows of one dot, at least 16), BC compressed tokens per inner step."""
+    wide = max(BDK, BDV) > 128
+    BH = triton.next_power_of_2(h)
+    rows = 64 if kernel == "dkdv" else 128
+    BT = max(1, max(16, rows) // BH)
+    return {"BT": BT, "BC": 64, "num_warps": 8 if wide or BT * BH >= 128 else 4, "num_stages": 2}
+
+
+def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
+    """Validate layouts; returns (G, h). Raises ValueError with a one-line reason."""
+    if q.dim() != 3 or k_cmp.dim() != 3 or v_cmp.dim() != 3:
+        raise ValueError(f"q, k_cmp, v_cmp must be packed [tokens, heads, dim]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cmp.shape)}, {tuple(v_cmp.shape)}")
+    T, H, dk = q.shape
+    N, G = k_cmp.shape[:2]
+    if k_cmp.shape[2] != dk or v_cmp.shape[:2] != (N, G):
+        raise ValueError(f"k_cmp must be [N, G, d_k={dk}] and v_cmp [N, G, d_v]; got {tuple(k_cmp.shape)}, {tuple(v_cmp.shape)}")
+    if G == 0 or H % G:
+        raise ValueError(f"query heads H={H} must be a multiple of KV heads G={G}")
+    if not (q.dtype == k_cmp.dtype == v_cmp.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k_cmp, v_cmp must share one dtype of fp16/bf16/fp32; got {q.dtype}, {k_cmp.dtype}, {v_cmp.dtype}")
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_cmp", cu_cmp)):
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor; got {cu.dtype} {tuple(cu.shape)}")
+    if cu_seqlens.shape != cu_cmp.shape:
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} and cu_cmp {tuple(cu_cmp.shape)} must describe the same batch")
+    for name, x in (("q", q), ("k_cmp", k_cmp), ("v_cmp", v_cmp)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    return G, H // G
+
+
+def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_len: int, cmp_stride: int) -> torch.Tensor:
+    """cu_cmp [B+1] int32: boundaries of each sequence's compressed tokens, from cu_seqlens (no sync)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n = torch.where(lens >= cmp_len, (lens - cmp_len) // cmp_stride + 1, 0)
+    return torch.cat([cu_seqlens.new_zeros(1), torch.cumsum(n, 0).to(torch.int32)])
+
+
+def _grid_sizes(q, cu, cmp_len, cmp_stride, max_seqlen):
+    max_seqlen = max_seqlen if max_seqlen is not None else (
+        int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0)
+    max_cmp = (max_seqlen - cmp_len) // cmp_stride + 1 if max_seqlen >= cmp_len else 0
+    return max_seqlen, max_cmp
+
+
+def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
+                             scale=None, max_seqlen: int | None = None, out=None, lse=None):
+    """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
+    (e.g. NaN-poisoned buffers in tests); every row of both is written."""
+    G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
+    T, H, dk = q.shape
+    dv = v_cmp.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(dk)
+    max_seqlen, _ = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype) if out is None else out
+    lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
+    B = cu_seqlens.numel() - 1
+    if T and B and max_seqlen:
+        BDK, BDV = _pow2(dk), _pow2(dv)
+        lc = launch_config("fwd", h, BDK, BDV)
+        BT, BC = lc.pop("BT"), lc.pop("BC")
+        _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, out, lse,
+            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+            CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
+            BC=BC, BDK=BDK, BDV=BDV, PREC=_precision(q.dtype), **lc)
+        routing.note("kernel", "cmp_fwd", "triton")
+    return out, lse
+
+
+def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
+                             scale=None, max_seqlen: int | None = None):
+    """Backward launcher: returns (dq [T, H, d_k], dk_cmp [N, G, d_k], dv_cmp [N, G, d_v]) in q's
+    dtype; every row is written (zero where no query reached a compressed token)."""
+    G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
+    T, H, d_k = q.shape
+    d_v = v_cmp.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
+    max_seqlen, max_cmp = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    do, lse = do.contiguous(), lse.contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k_cmp)          # compressed tokens of no sequence (none in a packed batch) stay 0
+    dv = torch.zeros_like(v_cmp)
+    B = cu_seqlens.numel() - 1
+    if not (T and B and max_seqlen):
+        return dq.zero_(), dk, dv
+    delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
+    BDK, BDV, BH, prec = _pow2(d_k), _pow2(d_v), triton.next_power_of_2(h), _precision(q.dtype)
+    common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
+    lc = launch_config("dq", h, BDK, BDV)
+    BT = lc.pop("BT")
+    _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+        q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
+        q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+        o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
+    if max_cmp:
+        lc = launch_config("dkdv", h, BDK, BDV)
+        BT, BC = lc.pop("BT"), lc.pop("BC")
+        _cmp_dkdv_kernel[(triton.cdiv(max_cmp, BC), G, B)](
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse, delta, dk, dv,
+            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E,
+            BT=BT, BC=BC, **common, **lc)
+    routing.note("kernel", "cmp_bwd", "triton")
+    return dq, dk, dv
+
+
+# -- autograd ------------------------------------------------------------------------------
+class _CompressedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen):
+        o, lse = compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp,
+                                          scale=scale, max_seqlen=max_seqlen)
+        ctx.save_for_backward(q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_cmp)
+        ctx.args = (cmp_len, cmp_stride, scale, max_seqlen)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_cmp = ctx.saved_tensors
+        cmp_len, cmp_stride, scale, max_seqlen = ctx.args
+        dq, dk, dv = compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len, cmp_stride, cu_seqlens, cu_cmp,
+                                              scale=scale, max_seqlen=max_seqlen)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_len: int, cmp_stride: int,
+                         cu_seqlens: torch.Tensor | None = None, cu_cmp: torch.Tensor | None = None, *,
+                         scale: float | None = None, max_seqlen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NSA compressed attention, differentiable in q, k_cmp and v_cmp.
+
+    q [T, H, d_k] (packed sequences, fp16/bf16, or fp32); k_cmp [N, G, d_k], v_cmp [N, G, d_v]
+    the compressed tokens of spans [i·cmp_stride, i·cmp_stride + cmp_len) of each sequence;
+    cu_seqlens [B+1] int32 (None: one sequence of T tokens); cu_cmp [B+1] int32 (None: derived
+    from cu_seqlens); scale defaults to 1/sqrt(d_k); max_seqlen (the longest sequence) avoids a
+    device sync when given. Returns (o [T, H, d_v], lse [T, H] fp32, not differentiable).
+    """
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        max_seqlen = q.shape[0] if max_seqlen is None else max_seqlen
+    if cu_cmp is None:
+        cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_len, cmp_stride)
+    return _CompressedAttention.apply(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen)

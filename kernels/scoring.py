@@ -1,0 +1,173 @@
+"""Triton block scoring and top-n for NSA prefill: from q, the compressed keys and the compressed
+branch's log-sum-exp straight to the ``block_idx`` the selection kernel takes.
+
+For query t and KV head g the score of selection block j is Σ over the group's h heads and over the
+compressed tokens i whose span [i·d, i·d + l) overlaps block [j·l', (j+1)·l') of
+p_cmp[t, head, i] = exp(q·k_i·scale − lse[t, head]) (0 where i·d + l − 1 > t). Block 0 and the
+two local blocks ⌊t/l'⌋, ⌊t/l'⌋ − 1 are forced; the remaining slots go to the highest-scoring
+other causal blocks (j·l' <= t), ties to the lower index — the oracle's rule
+(``nsa_core.reference.select_blocks``). Output ascending, −1 padded.
+
+One program takes BT consecutive query tokens and the h heads of one KV group and walks the
+causal blocks in chunks of BB (BB·l'/d compressed tokens): it recomputes the chunk's
+probabilities, maps them onto the chunk's blocks with a 0/1 overlap matrix (a span that runs into
+the next chunk's first block carries its share over), sums the heads and merges the chunk's BB
+candidates into a running top-BB list with one sort. Nothing of size [T, N] or [T, NB] is ever
+written to memory: the scores live in registers for one chunk at a time.
+
+A candidate is one int64 sort key: the fp32 score's bits (non-negative floats order like their
+bit patterns; a forced block gets +inf's) above 2³¹ − 1 − j, so a descending sort puts higher
+scores first and, among equal scores, the lower block first. Non-causal slots are −1.
+
+Needs l' a multiple of d with l'/d a power of two, and l <= l' + d (a span touches at most two
+blocks); ``unavailable`` says so otherwise.
+
+Layouts: q [T, H, d_k]; k_cmp [N, G, d_k] packed by cu_cmp; lse [T, H] fp32 (from
+``kernels.compressed``, natural log, +inf for a row with no compressed token); cu_seqlens /
+cu_cmp [B + 1] int32; block_idx [T, G, n] int32, numbered from the token's sequence start.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core import routing
+from kernels.compressed import _check as _check_cmp, _grid_sizes, _n_cmp, _tile_rows, cmp_cu_seqlens
+from kernels.selection import LOG2E, _pow2, _precision
+
+
+@triton.jit
+def _merge_top(top, key, BT: tl.constexpr, BB: tl.constexpr):
+    """The BB largest of two [BT, BB] int64 key sets, per row, descending."""
+    z = tl.sort(tl.reshape(tl.join(top, key), (BT, 2 * BB)), 1, descending=True)
+    best, _ = tl.split(tl.permute(tl.reshape(z, (BT, 2, BB)), (0, 2, 1)))
+    return best
+
+
+@triton.jit
+def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
+                       sqt, sqh, skt, skh, slt, slh, sit, sig, scale_log2,
+                       CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
+                       H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                       BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr):
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    cbos = tl.load(CUC + b)
+    n_seq = tl.load(CUC + b + 1) - cbos
+    t0 = tl.program_id(0) * BT
+    if t0 < seq_len:
+        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+        t = (bos + t_rel).to(tl.int64)
+        offs_dk = tl.arange(0, BDK)
+        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
+                    mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+        tok = t0 + tl.arange(0, BT)                                   # the tile's tokens (rows of the scores)
+        tok_ok = tok < seq_len
+        cur = tok // BLOCK
+        # overlap of the chunk's BCS spans with its BB blocks; the same for every chunk (chunks align to blocks)
+        sp = tl.arange(0, BCS)
+        jb = tl.arange(0, BB)
+        start = sp * CMP_STRIDE
+        ov = ((start[:, None] < (jb[None, :] + 1) * BLOCK) & (start[:, None] + CMP_LEN > jb[None, :] * BLOCK)).to(tl.float32)
+        ov_next = (start + CMP_LEN > BB * BLOCK).to(tl.float32)     # runs into the next chunk's first block
+        t_last = tl.minimum(t0 + BT, seq_len) - 1
+        n_hi = tl.minimum(_n_cmp(t_last, CMP_LEN, CMP_STRIDE), n_seq)
+        top = tl.full([BT, BB], -1, tl.int64)
+        carry = tl.zeros([BT], tl.float32)
+        for c in range(0, t_last // BLOCK // BB + 1):
+            i = c * BCS + sp
+            inb = i < n_hi
+            kc = (cbos + i).to(tl.int64)
+            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :],
+                        mask=inb[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            p = tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)      # [rows, BCS]
+            # fp32 exactly (not tf32): the scores decide ties
+            per_head = tl.dot(p, ov, input_precision="ieee")                             # [rows, BB]
+            blk = tl.sum(tl.reshape(per_head, (BT, BH, BB)), 1)
+            blk += tl.where(jb[None, :] == 0, carry[:, None], 0.0)
+            carry = tl.sum(tl.reshape(tl.sum(p * ov_next[None, :], 1), (BT, BH)), 1)
+            j = c * BB + jb
+            causal = tok_ok[:, None] & (j[None, :] <= cur[:, None])
+            forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
+            bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
+            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
+            top = _merge_top(top, tl.where(causal, key, -1), BT, BB)
+        slot = tl.arange(0, BB)
+        taken = (top >= 0) & (slot[None, :] < N_SEL)
+        blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)
+        blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
+        blocks = tl.where(blocks == 0x7FFFFFFF, -1, blocks)
+        tl.store(IDX + (bos + tok).to(tl.int64)[:, None] * sit + g * sig + slot[None, :], blocks,
+                 mask=tok_ok[:, None] & (slot[None, :] < N_SEL))
+
+
+def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int) -> str | None:
+    """Why the kernel cannot take this block geometry (None: it can)."""
+    if block_size % cmp_stride:
+        return f"selection block l'={block_size} is not a multiple of the compression stride d={cmp_stride}"
+    r = block_size // cmp_stride
+    if r & (r - 1):
+        return f"l'/d = {r} is not a power of two"
+    if cmp_len > block_size + cmp_stride:
+        return f"a compressed span (l={cmp_len}) may touch more than two selection blocks (l' + d = {block_size + cmp_stride})"
+    if n_selected > 64:
+        return f"n={n_selected} selected blocks is more than the kernel's 64"
+    return None
+
+
+def launch_config(h: int, BDK: int, n_selected: int) -> dict:
+    """BT query tokens per program (× h heads = the rows of one dot, at least 16) and BB blocks per chunk."""
+    BH = triton.next_power_of_2(h)
+    BT = max(1, 64 // BH) if BH <= 64 else 1
+    return {"BT": max(BT, 1), "BB": max(16, triton.next_power_of_2(n_selected)),
+            "num_warps": 8 if BDK > 128 else 4, "num_stages": 2}
+
+
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_len: int, cmp_stride: int,
+                  block_size: int, n_selected: int, cu_seqlens: torch.Tensor | None = None,
+                  cu_cmp: torch.Tensor | None = None, *, scale: float | None = None,
+                  max_seqlen: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """NSA block selection for every query token: block_idx [T, G, n] int32, ascending, −1 padded.
+
+    q [T, H, d_k]; k_cmp [N, G, d_k]; lse [T, H] fp32 the compressed branch's log-sum-exp over the
+    same q and k_cmp (``kernels.compressed.compressed_attention``); cu_seqlens / cu_cmp [B+1]
+    int32 (None: one sequence of T tokens; cu_cmp derived); max_seqlen avoids a device sync.
+    ``out`` may be given (e.g. a NaN-poisoned buffer in tests); every row is written.
+    """
+    why = unavailable(cmp_len, cmp_stride, block_size, n_selected)
+    if why:
+        raise ValueError(why)
+    T, H, dk = q.shape
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+        max_seqlen = T if max_seqlen is None else max_seqlen
+    if cu_cmp is None:
+        cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_len, cmp_stride)
+    G, h = _check_cmp(q, k_cmp, k_cmp, cu_seqlens, cu_cmp)
+    if lse.shape != (T, H) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be [T, H] = [{T}, {H}] fp32; got {tuple(lse.shape)} {lse.dtype}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(dk)
+    max_seqlen, _ = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    out = torch.empty(T, G, n_selected, device=q.device, dtype=torch.int32) if out is None else out
+    B = cu_seqlens.numel() - 1
+    if T and B and max_seqlen:
+        BDK = _pow2(dk)
+        lc = launch_config(h, BDK, n_selected)
+        BT, BB = lc.pop("BT"), lc.pop("BB")
+        _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+            q, k_cmp, lse, cu_seqlens, cu_cmp, out,
+            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), scale * LOG2E,
+            CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
+            BT=BT, BH=triton.next_power_of_2(h), BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
+            PREC=_precision(q.dtype), **lc)
+        routing.note("kernel", "select", "triton")
+    return out
