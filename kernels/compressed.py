@@ -10,8 +10,9 @@ and all h query heads of one KV group (BT·h rows of one ``tl.dot``), so every c
 value it loads serves the whole group. The backward pass is two deterministic kernels, no atomics:
 
 * ``_cmp_dq_kernel``   — query-centric like the forward; also writes delta = rowsum(dO ∘ O).
-* ``_cmp_dkdv_kernel`` — key-centric: one program owns BC compressed tokens of one KV head and
-  walks every query tile that can see them (t >= i·d + l − 1), so it sums its own gradient.
+* ``_cmp_dkdv_kernel`` — key-centric: one program takes BC compressed tokens of one KV head and
+  one of NSPLIT runs of the query tiles that can see them (t >= i·d + l − 1) and writes an fp32
+  partial; ``_cmp_dkdv_reduce_kernel`` adds a chunk's partials in split order.
 
 Layouts (packed variable length, like flash-attn's varlen API):
     q        [T, H, d_k]     H = G·h; head ``g*h + i`` belongs to KV head g
@@ -58,7 +59,10 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                    WITH_O: tl.constexpr):
+    """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
+    block scoring when the compressed branch itself ran elsewhere)."""
     g = tl.program_id(1)
     b = tl.program_id(2)
     bos = tl.load(CU + b)
@@ -84,8 +88,6 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
             kc = (cbos + i).to(tl.int64)
             k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :],
                         mask=inb[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :],
-                        mask=inb[:, None] & (offs_dv[None, :] < DV), other=0.0)
             vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
             s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -94,14 +96,18 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            if WITH_O:
+                v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :],
+                            mask=inb[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-        tl.store(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
-                 mask=ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
+        if WITH_O:
+            o = acc / tl.where(empty, 1.0, l_i)[:, None]
+            tl.store(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+                     mask=ok[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -153,35 +159,45 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, DKC, DVC,
-                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, sdkt, sdkh, sdvt, sdvh,
-                     scale, scale_log2,
+def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, scale_log2, NCH,
                      CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
-    """dk/dv of compressed tokens [pid·BC, (pid+1)·BC) of one sequence and KV head: every query
-    tile from the first one that sees token pid·BC to the end of the sequence."""
+                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                     NSPLIT: tl.constexpr):
+    """Partial dk/dv of compressed tokens [c·BC, (c+1)·BC) of one sequence and KV head from split
+    s of the queries that see them (t from c·BC·d + l − 1 to the end, cut in NSPLIT equal runs of
+    whole tiles): an fp32 scratch row per (chunk, split), summed in order by the reduce kernel.
+    The split keeps the long chunks (the first ones: every later query sees them) from running
+    alone at the end of the grid."""
+    c = tl.program_id(0) // NSPLIT
+    split = tl.program_id(0) % NSPLIT
     g = tl.program_id(1)
     b = tl.program_id(2)
     bos = tl.load(CU + b)
     seq_len = tl.load(CU + b + 1) - bos
     cbos = tl.load(CUC + b)
     n_seq = tl.load(CUC + b + 1) - cbos
-    i0 = tl.program_id(0) * BC
+    i0 = c * BC
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    offs_c = tl.arange(0, BC)
+    dk = tl.zeros([BC, BDK], tl.float32)
+    dv = tl.zeros([BC, BDV], tl.float32)
     if i0 < n_seq:
-        i = i0 + tl.arange(0, BC)
+        i = i0 + offs_c
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
-        offs_dk = tl.arange(0, BDK)
-        offs_dv = tl.arange(0, BDV)
         dk_ok = offs_dk[None, :] < DK
         dv_ok = offs_dv[None, :] < DV
         k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :], mask=inb[:, None] & dk_ok, other=0.0)
         v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :], mask=inb[:, None] & dv_ok, other=0.0)
-        dk = tl.zeros([BC, BDK], tl.float32)
-        dv = tl.zeros([BC, BDV], tl.float32)
-        for t0 in range(i0 * CMP_STRIDE + CMP_LEN - 1, seq_len, BT):
-            t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+        t_first = i0 * CMP_STRIDE + CMP_LEN - 1
+        run = tl.cdiv(tl.cdiv(seq_len - t_first, BT), NSPLIT) * BT
+        lo = t_first + split * run
+        hi = tl.minimum(lo + run, seq_len)
+        for t0 in range(lo, hi, BT):
+            t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
             t = (bos + t_rel).to(tl.int64)
             q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
             do = tl.load(DO + t[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
@@ -195,21 +211,59 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, DKC, DVC,
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
+    row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
+    tl.store(PART_K + row * (BC * BDK) + offs_c[:, None] * BDK + offs_dk[None, :], dk)
+    tl.store(PART_V + row * (BC * BDV) + offs_c[:, None] * BDV + offs_dv[None, :], dv)
+
+
+@triton.jit
+def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdvh, scale, NCH,
+                            DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+                            BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr):
+    """dk/dv of one chunk of compressed tokens and KV head: its splits summed in order (deterministic)."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    cbos = tl.load(CUC + b)
+    n_seq = tl.load(CUC + b + 1) - cbos
+    if c * BC < n_seq:
+        offs_c = tl.arange(0, BC)
+        offs_dk = tl.arange(0, BDK)
+        offs_dv = tl.arange(0, BDV)
+        i = c * BC + offs_c
+        inb = i < n_seq
+        kc = (cbos + i).to(tl.int64)
+        dk = tl.zeros([BC, BDK], tl.float32)
+        dv = tl.zeros([BC, BDV], tl.float32)
+        row0 = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT).to(tl.int64)
+        for split in tl.static_range(NSPLIT):
+            dk += tl.load(PART_K + (row0 + split) * (BC * BDK) + offs_c[:, None] * BDK + offs_dk[None, :])
+            dv += tl.load(PART_V + (row0 + split) * (BC * BDV) + offs_c[:, None] * BDV + offs_dv[None, :])
         tl.store(DKC + kc[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DKC.dtype.element_ty),
-                 mask=inb[:, None] & dk_ok)
+                 mask=inb[:, None] & (offs_dk[None, :] < DK))
         tl.store(DVC + kc[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DVC.dtype.element_ty),
-                 mask=inb[:, None] & dv_ok)
+                 mask=inb[:, None] & (offs_dv[None, :] < DV))
 
 
 # -- launchers -----------------------------------------------------------------------------
 def launch_config(kernel: str, h: int, BDK: int, BDV: int) -> dict:
-    """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = the
-    rows of one dot, at least 16), BC compressed tokens per inner step."""
-    wide = max(BDK, BDV) > 128
+    """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
+    of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk.
+
+    From a sweep on the H100 at 64k, H=64 (h=16), G=4, bf16: forward 256 rows / BC 64 / 8 warps
+    12.3 ms at d=128 and 17.8 ms at d_k=192 (128 rows / 4 warps: 13.4 and 24.8; BC 128 runs out of
+    shared memory at 192); dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit 40.6-49.6 ms
+    (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at the end of
+    the grid; split in 8: backward (dq + dk/dv) 40.0 ms at d=128, 109 ms at 192 with 4 warps."""
     BH = triton.next_power_of_2(h)
-    rows = 64 if kernel == "dkdv" else 128
-    BT = max(1, max(16, rows) // BH)
-    return {"BT": BT, "BC": 64, "num_warps": 8 if wide or BT * BH >= 128 else 4, "num_stages": 2}
+    if kernel == "fwd":
+        return {"BT": max(1, 256 // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
+    if kernel == "dq":
+        return {"BT": max(1, 64 // BH), "BC": 64, "num_warps": 4, "num_stages": 2}
+    # split_len: a split gets at least this many queries (short sequences are not split)
+    return {"BT": max(1, 64 // BH), "BC": 64, "NSPLIT": 8, "split_len": 4096,
+            "num_warps": 8 if max(BDK, BDV) > 128 else 4, "num_stages": 2}
 
 
 def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
@@ -251,27 +305,30 @@ def _grid_sizes(q, cu, cmp_len, cmp_stride, max_seqlen):
 
 
 def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
-                             scale=None, max_seqlen: int | None = None, out=None, lse=None):
+                             scale=None, max_seqlen: int | None = None, out=None, lse=None, with_o: bool = True):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
-    (e.g. NaN-poisoned buffers in tests); every row of both is written."""
+    (e.g. NaN-poisoned buffers in tests); every row of both is written. ``with_o=False``: the
+    log-sum-exp alone (o is None; v_cmp is not read)."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, dk = q.shape
     dv = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
     max_seqlen, _ = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
-    out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype) if out is None else out
+    if with_o and out is None:
+        out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     B = cu_seqlens.numel() - 1
     if T and B and max_seqlen:
         BDK, BDV = _pow2(dk), _pow2(dv)
-        lc = launch_config("fwd", h, BDK, BDV)
+        lc = launch_config("fwd", h, BDK, BDV if with_o else 16)
         BT, BC = lc.pop("BT"), lc.pop("BC")
+        o_arg = out if with_o else lse                   # not touched without WITH_O
         _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, out, lse,
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o_arg, lse,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+            o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
-            BC=BC, BDK=BDK, BDV=BDV, PREC=_precision(q.dtype), **lc)
+            BC=BC, BDK=BDK, BDV=BDV, PREC=_precision(q.dtype), WITH_O=with_o, **lc)
         routing.note("kernel", "cmp_fwd", "triton")
     return out, lse
 
@@ -304,13 +361,19 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
     if max_cmp:
         lc = launch_config("dkdv", h, BDK, BDV)
-        BT, BC = lc.pop("BT"), lc.pop("BC")
-        _cmp_dkdv_kernel[(triton.cdiv(max_cmp, BC), G, B)](
-            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse, delta, dk, dv,
+        BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
+        nsplit = max(1, min(nsplit, max_seqlen // split_len))      # short sequences: fewer splits
+        NCH = triton.cdiv(max_cmp, BC)
+        part_k = torch.empty(B * G * NCH * nsplit, BC, BDK, device=q.device, dtype=torch.float32)
+        part_v = torch.empty(B * G * NCH * nsplit, BC, BDV, device=q.device, dtype=torch.float32)
+        _cmp_dkdv_kernel[(NCH * nsplit, G, B)](
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse, delta, part_k, part_v,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, scale * LOG2E,
-            BT=BT, BC=BC, **common, **lc)
+            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, NCH,
+            BT=BT, BC=BC, NSPLIT=nsplit, **common, **lc)
+        _cmp_dkdv_reduce_kernel[(NCH, G, B)](
+            part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
+            DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
     routing.note("kernel", "cmp_bwd", "triton")
     return dq, dk, dv
 

@@ -16,10 +16,10 @@ from kernels.interpreter import interpreting, probe
 try:
     import triton
 
-    from kernels import decode, selection
+    from kernels import compressed, decode, scoring, selection
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
-    decode = selection = None
+    compressed = decode = scoring = selection = None
     _TRITON_MISSING = f"triton does not import ({e})"
 
 
@@ -42,9 +42,20 @@ def triton_unavailable(cfg: NSAConfig | None = None, device=None, dtype=None, **
             return f"GPU sm{cap[0]}{cap[1]} is older than sm80"
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype} is not supported (fp16/bf16/fp32)"
+    return None
+
+
+def selection_unavailable(cfg: NSAConfig | None = None, **query) -> str | None:
     if cfg is not None and cfg.block_size & (cfg.block_size - 1):
         return f"selection block size l'={cfg.block_size} is not a power of two"
-    return None
+    return triton_unavailable(cfg=cfg, **query)
+
+
+def select_unavailable(cfg: NSAConfig | None = None, **query) -> str | None:
+    why = triton_unavailable(cfg=cfg, **query)
+    if why is None and cfg is not None:
+        why = scoring.unavailable(cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected)
+    return why
 
 
 def _batch_cu(B: int, S: int, device) -> torch.Tensor:
@@ -64,7 +75,42 @@ def prefill_selection(cfg: NSAConfig, q, k, v, idx):
     return o.view(B, S, H, cfg.d_v)
 
 
-routing.register("prefill", "sel", "triton", prefill_selection, triton_unavailable)
+routing.register("prefill", "sel", "triton", prefill_selection, selection_unavailable)
+
+
+def prefill_compressed(cfg: NSAConfig, q, k_cmp, v_cmp):
+    """q [B, S, H, d_k], k_cmp/v_cmp [B, N, G, d] -> (o [B, S, H, d_v], lse [B, S, H] fp32) on the
+    Triton kernel (differentiable in q, k_cmp, v_cmp)."""
+    B, S, H, _ = q.shape
+    N, G = k_cmp.shape[1], cfg.n_kv_heads
+    o, lse = compressed.compressed_attention(q.reshape(B * S, H, -1), k_cmp.reshape(B * N, G, -1),
+                                             v_cmp.reshape(B * N, G, -1), cfg.cmp_len, cfg.cmp_stride,
+                                             _batch_cu(B, S, q.device), _batch_cu(B, N, q.device),
+                                             scale=cfg.scale, max_seqlen=S)
+    routing.note("prefill", "cmp", "triton")
+    return o.view(B, S, H, cfg.d_v), lse.view(B, S, H)
+
+
+routing.register("prefill", "cmp", "triton", prefill_compressed, triton_unavailable)
+
+
+def prefill_select(cfg: NSAConfig, q, k_cmp, lse=None):
+    """q [B, S, H, d_k], k_cmp [B, N, G, d_k] (and the compressed branch's lse [B, S, H] when it
+    ran on the Triton kernel; else computed here) -> idx [B, S, G, n] int32 from the Triton scorer."""
+    B, S, H, _ = q.shape
+    N, G = k_cmp.shape[1], cfg.n_kv_heads
+    qp, kp = q.detach().reshape(B * S, H, -1), k_cmp.detach().reshape(B * N, G, -1)
+    cu, cu_c = _batch_cu(B, S, q.device), _batch_cu(B, N, q.device)
+    if lse is None:
+        _, lse = compressed.compressed_attention_fwd(qp, kp, kp, cfg.cmp_len, cfg.cmp_stride, cu, cu_c,
+                                                     scale=cfg.scale, max_seqlen=S, with_o=False)
+    idx = scoring.select_blocks(qp, kp, lse.reshape(B * S, H), cfg.cmp_len, cfg.cmp_stride, cfg.block_size,
+                                cfg.n_selected, cu, cu_c, scale=cfg.scale, max_seqlen=S)
+    routing.note("prefill", "select", "triton")
+    return idx.view(B, S, G, cfg.n_selected)
+
+
+routing.register("prefill", "select", "triton", prefill_select, select_unavailable)
 
 
 # -- FA-2 varlen for the compressed and window branches -------------------------------------

@@ -98,10 +98,11 @@ class NSAAttention(nn.Module):
 
     def mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D]."""
-        o = torch.zeros_like(like)
-        for i, br in enumerate(BRANCHES):
+        o = None
+        for i, br in enumerate(BRANCHES):          # one fused multiply-add per branch
             if br in parts:
-                o = o + g[..., i:i + 1] * parts[br]
+                o = g[..., i:i + 1] * parts[br] if o is None else torch.addcmul(o, g[..., i:i + 1], parts[br])
+        o = torch.zeros_like(like) if o is None else o
         B, S = o.shape[:2]
         return self.o_proj(o.reshape(B, S, -1))
 
@@ -119,37 +120,49 @@ class NSAAttention(nn.Module):
         g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
         routes = self.routes(S, x.device, x.dtype)
-        parts = {}
+        parts, lse = {}, None
         if "cmp" in want:
-            parts["cmp"] = self.run_branch("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+            parts["cmp"], lse = self.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
         if "sel" in want:
             if idx is None:
-                idx = self.select_from(q, k_cmp)
+                idx = self.select_from(q, k_cmp, routes, lse=lse)
             parts["sel"] = self.run_branch("sel", routes, q=q, k=k, v=v, idx=idx)
         if "win" in want:
             parts["win"] = self.run_branch("win", routes, q=q, k=k, v=v)
         return self.mix(g, parts, q.new_zeros(B, S, cfg.n_heads, cfg.d_v))
 
-    def run_branch(self, branch: str, routes, **tensors) -> torch.Tensor:
-        """One prefill branch on the backend ``routes`` (from ``routes()``) picked -> [B, S, H, d_v]."""
+    def run_branch(self, branch: str, routes, *, with_lse: bool = False, **tensors):
+        """One prefill branch on the backend ``routes`` (from ``routes()``) picked -> o [B, S, H, d_v];
+        ``with_lse``: (o, lse [B, S, H] fp32 or None), the log-sum-exp where the backend gives one
+        (the Triton compressed kernel: block scoring reuses it)."""
         d = routes[branch]
         with routing.profiler_range("prefill", branch):
             if d.backend != "torch":    # decide() already checked that this implementation is usable
                 impl, _ = routing.lookup("prefill", branch, d.backend)
-                return impl(cfg=self.cfg, **tensors)
-            fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
-            return fn(cfg=self.cfg, **tensors)
+                out = impl(cfg=self.cfg, **tensors)
+            else:
+                fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
+                out = fn(cfg=self.cfg, **tensors)
+        o, lse = out if isinstance(out, tuple) else (out, None)
+        return (o, lse) if with_lse else o
 
-    def select_from(self, q: torch.Tensor, k_cmp: torch.Tensor) -> torch.Tensor:
-        """Block selection from q [B, S, H, d_k] and the compressed keys [B, N, G, d_k]:
-        idx [B, S, G, n] (ascending, -1 padded)."""
+    def select_from(self, q: torch.Tensor, k_cmp: torch.Tensor, routes=None, lse=None) -> torch.Tensor:
+        """Block selection from q [B, S, H, d_k] and the compressed keys [B, N, G, d_k] on the routed
+        backend: idx [B, S, G, n] (ascending, -1 padded; int32 from the kernel, int64 from torch).
+        ``lse`` [B, S, H]: the compressed branch's log-sum-exp when it has one (saves the scorer a pass)."""
+        routes = routes or self.routes(q.shape[1], q.device, q.dtype)
+        d = routes["select"]
         with routing.profiler_range("prefill", "select"):
+            if d.backend != "torch":
+                impl, _ = routing.lookup("prefill", "select", d.backend)
+                return impl(cfg=self.cfg, q=q, k_cmp=k_cmp, lse=lse)
+            routing.note("prefill", "select", "torch")
             return tb.select_blocks(q, k_cmp, self.cfg)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks prefill would select for x [B, S, D]: idx [B, S, G, n] (ascending, -1 padded)."""
         q, k, _ = self.project(x)
-        return tb.select_blocks(q, self.cmp_k(k), self.cfg)
+        return self.select_from(q, self.cmp_k(k))
 
     def fill_cache(self, x: torch.Tensor, cache: DecodeCache) -> None:
         """Prefill only the cache (raw and compressed K/V) from x [B, S, D], no attention."""

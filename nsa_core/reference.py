@@ -103,7 +103,7 @@ def block_scores(p_cmp: torch.Tensor, cfg: NSAConfig, seq_len: int) -> torch.Ten
     B, Sq, H, N = p_cmp.shape
     ov = overlap_matrix(cfg, N, cfg.n_blocks(seq_len), p_cmp.device).to(p_cmp.dtype)
     per_head = p_cmp @ ov                                                       # [B, Sq, H, NB]
-    return per_head.view(B, Sq, cfg.n_kv_heads, cfg.heads_per_group, -1).sum(dim=3)
+    return per_head.view(B, Sq, cfg.n_kv_heads, cfg.heads_per_group, per_head.shape[-1]).sum(dim=3)
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:

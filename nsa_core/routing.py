@@ -17,17 +17,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
 BRANCHES = ("cmp", "sel", "win")
+PREFILL_STAGES = (*BRANCHES, "select")      # the routed prefill work: the three branches and block selection
 
 
 @dataclass(frozen=True)
 class RoutingPolicy:
     """Which backend each branch should use, by sequence length (from the profile's ``routing``).
 
-    A threshold of ``None`` means the backend is never used. FA-2 thresholds gate the
-    compressed and window branches; ``sel_triton_min_len`` gates the Triton selection kernel in
-    prefill; ``decode_backend`` picks the decode-step implementation.
+    A threshold of ``None`` means the backend is never used. ``sel_triton_min_len`` gates the
+    Triton selection kernel in prefill, ``cmp_triton_min_len`` the Triton compressed attention
+    (it wins over FA-2 where both thresholds are met: it also gives the log-sum-exp scoring
+    needs), ``select_triton_min_len`` the Triton block scoring + top-n; FA-2 thresholds gate the
+    compressed and window branches; ``decode_backend`` picks the decode-step implementation.
     """
     sel_triton_min_len: int | None = None
+    cmp_triton_min_len: int | None = None
+    select_triton_min_len: int | None = None
     fa2_min_len_cmp: int | None = None
     fa2_min_len_win: int | None = None
     fa2_backend: str = "auto"          # auto | flash_attn | varlen
@@ -80,17 +85,21 @@ class Decision:
 def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
     """The backend the policy picks for one branch at this length, and why."""
     wanted, why = "torch", "default"
-    if phase == "prefill" and branch == "sel" and policy.sel_triton_min_len is not None:
-        if seq_len >= policy.sel_triton_min_len:
-            wanted, why = "triton", f"S={seq_len} >= sel_triton_min_len={policy.sel_triton_min_len}"
-        else:
-            why = f"S={seq_len} < sel_triton_min_len={policy.sel_triton_min_len}"
-    if phase == "prefill" and branch in ("cmp", "win"):
+    notes = []
+    if phase == "prefill" and branch in ("sel", "cmp", "select"):
+        thr = getattr(policy, f"{branch}_triton_min_len")
+        if thr is not None and seq_len >= thr:
+            wanted, why = "triton", f"S={seq_len} >= {branch}_triton_min_len={thr}"
+        elif thr is not None:
+            notes.append(f"S={seq_len} < {branch}_triton_min_len={thr}")
+    if phase == "prefill" and branch in ("cmp", "win") and wanted == "torch":
         thr = getattr(policy, f"fa2_min_len_{branch}")
         if thr is not None and seq_len >= thr:
             wanted, why = f"fa2:{policy.fa2_backend}", f"S={seq_len} >= fa2_min_len_{branch}={thr}"
         elif thr is not None:
-            why = f"S={seq_len} < fa2_min_len_{branch}={thr}"
+            notes.append(f"S={seq_len} < fa2_min_len_{branch}={thr}")
+    if wanted == "torch" and notes:
+        why = "; ".join(notes)
     if phase == "decode" and policy.decode_backend != "torch":
         wanted, why = policy.decode_backend, f"decode_backend={policy.decode_backend}"
     if wanted == "torch":
@@ -102,8 +111,8 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
 
 
 def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:
-    """The backend each prefill branch uses at this length under ``policy``, and why."""
-    return {br: decide(policy, "prefill", br, seq_len, **query) for br in BRANCHES}
+    """The backend each prefill stage (``PREFILL_STAGES``) uses at this length under ``policy``, and why."""
+    return {br: decide(policy, "prefill", br, seq_len, **query) for br in PREFILL_STAGES}
 
 
 @dataclass(eq=False)      # identity: nested captures must each remove their own log

@@ -120,6 +120,7 @@ def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = "pr
                   want_used: bool = False):
     """Selected-block attention by gathering the selected tokens (<= t) of each row."""
     routing.note(phase, "sel", "torch")
+    idx = idx.long()                  # the Triton scorer gives int32; gather takes int64
     B, Sq, H, _ = q.shape
     G, L = cfg.n_kv_heads, cfg.block_size
     out = q.new_empty(B, Sq, H, cfg.d_v)

@@ -390,7 +390,7 @@ def _shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[s
 def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
     from nsa_core import PAPER, routing
     decisions = {str(S): {br: vars(routing.decide(prof.routing, "prefill", br, S, cfg=PAPER))
-                          for br in routing.BRANCHES} for S in (512, 1024, 4096, 16384, 65536)}
+                          for br in routing.PREFILL_STAGES} for S in (512, 1024, 4096, 16384, 65536)}
     executed: dict[str, set] = {}
     kernels: dict[str, set] = {}
     for s in results.values():

@@ -1,4 +1,6 @@
-"""triton: the Triton selection-attention kernels (``kernels/selection.py``) against the fp32 oracle.
+"""triton: the Triton prefill kernels against the fp32 oracle: selection attention
+(``kernels/selection.py``), compressed attention (``kernels/compressed.py``) and block scoring + top-n
+(``kernels/scoring.py``).
 
 Method (FlashAttention's, as in ``sanity``): inputs are made once in the test dtype; the oracle
 (``nsa_core.reference.masked_attention`` over ``selection_mask``: explicit masks, no gathers)
@@ -22,7 +24,7 @@ from nsa_core.routing import RoutingPolicy
 from nsa_validate import evidence, timing
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.tolerance import DTYPES, FLOOR
 from suites.varlen import cu_seqlens, oracle_attention
 
 # Under the Triton interpreter a kernel lane that reads memory it does not own (NaN poison, or past
@@ -272,6 +274,223 @@ def test_long_varlen_sampled_rows(dt, S, record):
     record.assert_ok()
 
 
+# -- compressed attention and block scoring + top-n (kernels/compressed.py, kernels/scoring.py) ----
+def _cmp_cfg(h: int, dk: int, dv: int) -> NSAConfig:
+    """The block geometry these cases use: the paper's on a GPU (l=32, d=16), tiny's on a CPU
+    (l=8, d=4) so a short sequence still has many compressed tokens; l', n from the profile."""
+    geo = dict(n_kv_heads=CFG.kv_heads, heads_per_group=h, d_k=dk, d_v=dv,
+               block_size=CFG.block_size, n_selected=CFG.n_selected)
+    return tiny(**geo) if DEV == "cpu" else NSAConfig(d_model=128, **geo)
+
+
+def _cmp_inputs(cfg: NSAConfig, lens: list[int], dtype, seed: int, grad: bool = False):
+    """q [T, H, d_k] and the compressed k_cmp [N, G, d_k], v_cmp [N, G, d_v] of sequences of
+    ``lens`` tokens (N_b = n_cmp_total(S_b)); returns (q, k_cmp, v_cmp, cmp lens)."""
+    ncmp = [cfg.n_cmp_total(S) for S in lens]
+    q, _, _ = _qkv(sum(lens), cfg.n_kv_heads, cfg.heads_per_group, cfg.d_k, cfg.d_v, dtype, seed, grad)
+    _, kc, vc = _qkv(sum(ncmp), cfg.n_kv_heads, cfg.heads_per_group, cfg.d_k, cfg.d_v, dtype, seed + 100, grad)
+    return q, kc, vc, ncmp
+
+
+def _cmp_oracle_grads(q, kc, vc, lens, ncmp, cfg, do, dtype):
+    """(o, (dq, dk_cmp, dv_cmp)) of the oracle in ``dtype``: masked attention over
+    ``reference.cmp_mask`` (query t sees compressed token i iff i·d + l − 1 <= t)."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, kc, vc)]
+    o = oracle_attention(*leaves, lens, ncmp, lambda rc, pos, N: reference.cmp_mask(cfg, pos, N)[None, :, None, :], dtype)
+    if not o.requires_grad:                                       # no sequence has a compressed token
+        return o.detach(), tuple(torch.zeros_like(x) for x in leaves)
+    grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
+    return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
+
+
+def _require_cmp(dtype):
+    _require(dtype)
+    from kernels import compressed, scoring
+    return compressed, scoring
+
+
+def _cmp_run(cmp, q, kc, vc, lens, ncmp, cfg, do=None, **kw):
+    cu, cuc = cu_seqlens(lens, DEV), cu_seqlens(ncmp, DEV)
+    o, lse = cmp.compressed_attention_fwd(q, kc, vc, cfg.cmp_len, cfg.cmp_stride, cu, cuc, **kw.get("fwd", {}))
+    if do is None:
+        return o, lse
+    return o, lse, cmp.compressed_attention_bwd(do, q, kc, vc, o, lse, cfg.cmp_len, cfg.cmp_stride, cu, cuc,
+                                                **kw.get("bwd", {}))
+
+
+def _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads):
+    o32, g32 = _cmp_oracle_grads(q, kc, vc, lens, ncmp, cfg, do, torch.float32)
+    olp, glp = _cmp_oracle_grads(q, kc, vc, lens, ncmp, cfg, do, dtype) if _lp(dtype) else (None, (None,) * 3)
+    record.check("o", o, o32, olp, dtype=dtype)
+    # lse is +inf exactly on the rows that see no compressed token (t < l − 1), finite elsewhere
+    pos = torch.cat([torch.arange(S, device=DEV) for S in lens]) if lens else torch.zeros(0, device=DEV)
+    none = (pos < cfg.cmp_len - 1)[:, None].expand_as(lse)
+    assert torch.isfinite(lse[~none]).all() and (lse[none] == float("inf")).all(), "lse is not +inf exactly where a row has no key"
+    for name, got, r32, rlp in zip(("dq", "dk_cmp", "dv_cmp"), grads, g32, glp):
+        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
+    record.assert_ok()
+
+
+CMP_SHAPES = [pytest.param(dt, h, dk, dv, S, id=f"{dt}-h{h}-dk{dk}-dv{dv}-S{S}") for dt in CFG.dtypes
+              for (dk, dv) in CFG.head_dims for h in dict.fromkeys([CFG.heads_per_group[0], CFG.heads_per_group[-1]])
+              for S in CFG.seq_lens]
+
+
+@pytest.mark.parametrize("dt,h,dk,dv,S", CMP_SHAPES)
+def test_cmp_fwd_bwd(dt, h, dk, dv, S, record):
+    """Compressed attention: o, lse and the gradients of q, k_cmp, v_cmp vs the oracle."""
+    dtype = DTYPES[dt]
+    cmp, _ = _require_cmp(dtype)
+    cfg = _cmp_cfg(h, dk, dv)
+    q, kc, vc, ncmp = _cmp_inputs(cfg, [S], dtype, seed=S + h)
+    do = torch.randn(S, cfg.n_heads, dv, device=DEV).to(dtype)
+    with record.capture() as log:
+        o, lse, grads = _cmp_run(cmp, q, kc, vc, [S], ncmp, cfg, do)
+    record.expect_ran(log, "kernel", "cmp_fwd", "triton")
+    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
+    _check_cmp(record, cfg, dtype, q, kc, vc, [S], ncmp, o, lse, do, grads)
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_cmp_varlen_split(dt, record, monkeypatch):
+    """A packed batch with an empty, a 1-token, a shorter-than-l and off-grid sequences, through
+    the autograd wrapper; dk/dv split every chunk's queries in 3 runs (``split_len`` cut to 16)
+    so the ordered reduce of the partials is exercised at these sizes."""
+    dtype = DTYPES[dt]
+    cmp, _ = _require_cmp(dtype)
+    base = cmp.launch_config
+    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
+                        if k == "dkdv" else base(k, *a))
+    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    lens = sorted(set(CFG.varlen_lens) | {cfg.cmp_len - 2, 3 * cfg.block_size + 5})
+    q, kc, vc, ncmp = _cmp_inputs(cfg, lens, dtype, seed=13, grad=True)
+    do = torch.randn(sum(lens), cfg.n_heads, dv, device=DEV).to(dtype)
+    with record.capture() as log:
+        o, lse = cmp.compressed_attention(q, kc, vc, cfg.cmp_len, cfg.cmp_stride, cu_seqlens(lens, DEV))
+        grads = torch.autograd.grad(o, (q, kc, vc), do)
+    record.expect_ran(log, "kernel", "cmp_fwd", "triton")
+    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
+    record.metrics.update(lens=lens, cmp_lens=ncmp)
+    _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
+
+
+def _select_oracle(q, kc, lens, ncmp, cfg, dtype):
+    """Per sequence: (idx [S, G, n], scores [S, G, NB]) of the oracle in ``dtype`` from its
+    compressed-branch probabilities (``reference.block_scores`` / ``select_blocks``)."""
+    out, q0, k0 = [], 0, 0
+    G, h = cfg.n_kv_heads, cfg.heads_per_group
+    for S, N in zip(lens, ncmp):
+        pos = torch.arange(S, device=DEV)
+        qq = q[q0:q0 + S].to(dtype).view(1, S, G, h, cfg.d_k)
+        kk = kc[k0:k0 + N].to(dtype)[None]
+        m = reference.cmp_mask(cfg, pos, N)
+        s = torch.einsum("bqghd,bkgd->bqghk", qq, kk) * cfg.scale
+        s = s.masked_fill(~m[None, :, None, None, :], float("-inf"))
+        has = m.any(-1)[None, :, None, None, None]
+        p = torch.softmax(s.masked_fill(~has, 0.0), dim=-1) * has
+        sc = reference.block_scores(p.reshape(1, S, G * h, N).float(), cfg, S)
+        out.append((reference.select_blocks(sc, pos, cfg)[0], sc[0]))
+        q0, k0 = q0 + S, k0 + N
+    return out
+
+
+def _check_select(record, cfg, dtype, q, kc, lens, ncmp, got):
+    """The kernel's blocks equal the fp32 oracle's except at near-ties (the ``sanity`` rule: a block
+    may replace one whose fp32 score is within 2x the low-precision oracle's score error + floor)."""
+    want = _select_oracle(q, kc, lens, ncmp, cfg, torch.float32)
+    lp = _select_oracle(q, kc, lens, ncmp, cfg, dtype) if _lp(dtype) else None
+    worst, differ, tol, q0 = 0.0, 0, FLOOR[dtype], 0
+    for i, (S, (w_idx, s32)) in enumerate(zip(lens, want)):
+        if lp and s32.numel():
+            tol = max(tol, 2 * (lp[i][1] - s32).abs().max().item() + FLOOR[dtype])
+        g_idx = got[q0:q0 + S].long()
+        for t, g in (g_idx != w_idx).any(-1).nonzero().tolist():
+            differ += 1
+            a, w = set(g_idx[t, g].tolist()) - {-1}, set(w_idx[t, g].tolist()) - {-1}
+            cur = t // cfg.block_size
+            assert {0, cur, max(cur - 1, 0)} <= a, f"t={t}: forced blocks missing from {sorted(a)}"
+            assert len(a) == len(w), f"t={t}: {len(a)} blocks vs the oracle's {len(w)}"
+            assert g_idx[t, g].tolist() == sorted(a) + [-1] * (cfg.n_selected - len(a)), f"t={t}: not ascending, -1 last"
+            floor_score = min(s32[t, g, j].item() for j in w - a)
+            worst = max([worst] + [floor_score - s32[t, g, j].item() for j in a - w])
+        q0 += S
+    record.metrics.update(rows=int(got.shape[0] * got.shape[1]), rows_differ=differ, worst_gap=worst, tie_tol=tol)
+    assert worst <= tol, f"kernel chose a block {worst:.3e} below the oracle's (near-tie tolerance {tol:.3e})"
+
+
+@pytest.mark.parametrize("dt,h,dk,dv,S", CMP_SHAPES)
+def test_select_blocks(dt, h, dk, dv, S, record):
+    """Block scoring + top-n from the compressed kernel's lse: the oracle's blocks (near-ties aside)."""
+    dtype = DTYPES[dt]
+    cmp, scoring = _require_cmp(dtype)
+    cfg = _cmp_cfg(h, dk, dv)
+    q, kc, vc, ncmp = _cmp_inputs(cfg, [S], dtype, seed=S + h + 2)
+    with record.capture() as log:
+        _, lse = _cmp_run(cmp, q, kc, vc, [S], ncmp, cfg)
+        idx = scoring.select_blocks(q, kc, lse, cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected)
+    record.expect_ran(log, "kernel", "select", "triton")
+    _check_select(record, cfg, dtype, q, kc, [S], ncmp, idx)
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_select_varlen_nan_poisoned(dt, record):
+    """Block selection on a packed batch (empty, 1-token, off-grid sequences) whose inputs are views
+    into NaN-filled storage and whose output buffer starts as -7 everywhere: only owned values are
+    read, every row is written, and the blocks are the oracle's."""
+    dtype = DTYPES[dt]
+    cmp, scoring = _require_cmp(dtype)
+    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    lens = sorted(set(CFG.varlen_lens) | {3 * cfg.block_size + 5})
+    q0, kc0, vc0, ncmp = _cmp_inputs(cfg, lens, dtype, seed=17)
+    T, N = q0.shape[0], kc0.shape[0]
+    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
+    qs, ks, vs = nan(T + 37, cfg.n_heads, dk + 8), nan(N + 37, cfg.n_kv_heads, dk + 8), nan(N + 37, cfg.n_kv_heads, dv + 8)
+    qs[:T, :, :dk], ks[:N, :, :dk], vs[:N, :, :dv] = q0, kc0, vc0
+    q, kc, vc = qs[:T, :, :dk], ks[:N, :, :dk], vs[:N, :, :dv]
+    out = torch.full((T, cfg.n_kv_heads, cfg.n_selected), -7, device=DEV, dtype=torch.int32)
+    o, lse = nan(T, cfg.n_heads, dv), torch.full((T, cfg.n_heads), float("nan"), device=DEV)
+    do = torch.randn(T, cfg.n_heads, dv, device=DEV).to(dtype)
+    with record.capture() as log:
+        _, _, grads = _cmp_run(cmp, q, kc, vc, lens, ncmp, cfg, do, fwd=dict(out=o, lse=lse))
+        scoring.select_blocks(q, kc, lse, cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected,
+                              cu_seqlens(lens, DEV), cu_seqlens(ncmp, DEV), out=out)
+    record.expect_ran(log, "kernel", "select", "triton")
+    for name, t in (("o", o), ("dq", grads[0]), ("dk_cmp", grads[1]), ("dv_cmp", grads[2])):
+        assert torch.isfinite(t).all(), f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values"
+    assert not (out == -7).any(), f"{int((out == -7).sum())} block slots never written"
+    record.metrics.update(lens=lens)
+    _check_select(record, cfg, dtype, q0, kc0, lens, ncmp, out)
+    _check_cmp(record, cfg, dtype, q0, kc0, vc0, lens, ncmp, o, lse, do, grads)
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_cmp_select_deterministic(dt, record, monkeypatch):
+    """Compressed forward, backward (with its split dk/dv) and block selection rerun bit-identically."""
+    dtype = DTYPES[dt]
+    cmp, scoring = _require_cmp(dtype)
+    base = cmp.launch_config
+    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
+                        if k == "dkdv" else base(k, *a))
+    h, (dk, dv), S = CFG.heads_per_group[-1], CFG.head_dims[-1], CFG.seq_lens[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    q, kc, vc, ncmp = _cmp_inputs(cfg, [S], dtype, seed=19)
+    do = torch.randn(S, cfg.n_heads, dv, device=DEV).to(dtype)
+    runs = []
+    with record.capture() as log:
+        for _ in range(3):
+            o, lse, grads = _cmp_run(cmp, q, kc, vc, [S], ncmp, cfg, do)
+            idx = scoring.select_blocks(q, kc, lse, cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected)
+            runs.append((o, lse, *grads, idx))
+    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
+    record.expect_ran(log, "kernel", "select", "triton")
+    for i, name in enumerate(("o", "lse", "dq", "dk_cmp", "dv_cmp", "idx")):
+        same = all(torch.equal(runs[0][i], r[i]) for r in runs[1:])
+        record.metrics[f"{name}_bit_identical"] = same
+        assert same, f"{name} differs between reruns"
+
+
 # -- the module on the Triton backend ------------------------------------------------------
 def _module_cfg() -> NSAConfig:
     h, (dk, dv) = CFG.heads_per_group[min(2, len(CFG.heads_per_group) - 1)], CFG.head_dims[-1]
@@ -301,17 +520,20 @@ BF16_LAYER_GRADS = "bf16 layer gradient: the bf16 oracle itself misses the rel-R
 
 @pytest.mark.parametrize("dt,S", MODULE)
 def test_module_fwd_bwd(dt, S, record):
-    """NSAAttention with selection routed to the kernel: output, input and every parameter
-    gradient vs the oracle's autograd (given the module's own blocks); no NaN/Inf anywhere."""
+    """NSAAttention with the compressed branch, block selection and the selection branch routed to
+    the kernels: output, input and every parameter gradient vs the oracle's autograd (given the
+    module's own blocks); no NaN/Inf anywhere."""
     dtype = DTYPES[dt]
     _require(dtype)
     cfg = _module_cfg()
     torch.manual_seed(S)
-    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0)).to(DEV).to(dtype)
+    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0)).to(DEV).to(dtype)
     x = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype).requires_grad_(True)
-    d = m.routes(S, x.device, dtype)["sel"]
-    assert d.backend == "triton", f"selection was not routed to the kernel: {d.reason}"
-    idx = m.select(x.detach())
+    for br, d in m.routes(S, x.device, dtype).items():
+        assert br == "win" or d.backend == "triton", f"{br} was not routed to the kernel: {d.reason}"
+    with record.capture() as log:
+        idx = m.select(x.detach())                      # the Triton scorer's blocks, given to both sides
+    record.expect_ran(log, "prefill", "select", "triton")
     dout = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype)
     names = [nm for nm, _ in m.named_parameters()]
     with record.capture() as log:
@@ -319,6 +541,8 @@ def test_module_fwd_bwd(dt, S, record):
         grads = torch.autograd.grad(out, [x, *m.parameters()], dout, allow_unused=True)
     record.expect_ran(log, "prefill", "sel", "triton")
     record.expect_ran(log, "kernel", "sel_bwd", "triton")
+    record.expect_ran(log, "prefill", "cmp", "triton")
+    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
 
     def oracle(dt_):
         xs = x.detach().to(dt_).requires_grad_(True)

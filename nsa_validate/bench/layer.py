@@ -250,7 +250,7 @@ def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: floa
     dout = torch.randn_like(x)
     with torch.no_grad(), capture() as log:
         m(x)
-    routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in BRANCHES}
+    routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in routing.PREFILL_STAGES}
     with torch.no_grad():
         fwd = _time(lambda: m(x), device, budget_ms)
     fwdbwd = _time(_fwd_bwd(m, x, dout), device, budget_ms)
@@ -282,15 +282,17 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
     with torch.no_grad():
         q, k, v = m.project(x)
         k_cmp, v_cmp = m.cmp_k(k), m.cmp_v(v)
-        idx = m.select_from(q, k_cmp)
-        parts = {"cmp": m.run_branch("cmp", routes, q=q, k_cmp=k_cmp, v_cmp=v_cmp),
+        o_cmp, lse = m.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+        idx = m.select_from(q, k_cmp, routes, lse=lse)
+        parts = {"cmp": o_cmp,
                  "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
                  "win": m.run_branch("win", routes, q=q, k=k, v=v)}
     like = q.new_zeros(*q.shape[:3], m.cfg.d_v)
     fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
-           "scoring + top-n": (lambda q, kc: m.select_from(q, kc), (q, k_cmp)),
+           # given the compressed branch's lse when it has one, as the layer does
+           "scoring + top-n": (lambda q, kc: m.select_from(q, kc, routes, lse=lse), (q, k_cmp)),
            "sel attention": (lambda q, k, v: m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx), (q, k, v)),
            "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v)),
            "gate + mix": (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), like), (x, *parts.values()))}
