@@ -247,7 +247,7 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 
 
 # -- launchers -----------------------------------------------------------------------------
-def launch_config(kernel: str, h: int, BDK: int, BDV: int) -> dict:
+def launch_config(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -> dict:
     """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
     of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk.
 
@@ -257,8 +257,8 @@ def launch_config(kernel: str, h: int, BDK: int, BDV: int) -> dict:
     (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at the end of
     the grid; split in 8: backward (dq + dk/dv) 40.0 ms at d=128, 109 ms at 192 with 4 warps."""
     BH = triton.next_power_of_2(h)
-    if kernel == "fwd":
-        return {"BT": max(1, 256 // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
+    if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
+        return {"BT": max(1, (256 if itemsize == 2 else 64) // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
     if kernel == "dq":
         return {"BT": max(1, 64 // BH), "BC": 64, "num_warps": 4, "num_stages": 2}
     # split_len: a split gets at least this many queries (short sequences are not split)
@@ -320,7 +320,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     B = cu_seqlens.numel() - 1
     if T and B and max_seqlen:
         BDK, BDV = _pow2(dk), _pow2(dv)
-        lc = launch_config("fwd", h, BDK, BDV if with_o else 16)
+        lc = launch_config("fwd", h, BDK, BDV if with_o else 16, q.element_size())
         BT, BC = lc.pop("BT"), lc.pop("BC")
         o_arg = out if with_o else lse                   # not touched without WITH_O
         _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
@@ -352,7 +352,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = _pow2(d_k), _pow2(d_v), triton.next_power_of_2(h), _precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
-    lc = launch_config("dq", h, BDK, BDV)
+    lc = launch_config("dq", h, BDK, BDV, q.element_size())
     BT = lc.pop("BT")
     _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
         q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
@@ -360,7 +360,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
     if max_cmp:
-        lc = launch_config("dkdv", h, BDK, BDV)
+        lc = launch_config("dkdv", h, BDK, BDV, q.element_size())
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
         nsplit = max(1, min(nsplit, max_seqlen // split_len))      # short sequences: fewer splits
         NCH = triton.cdiv(max_cmp, BC)

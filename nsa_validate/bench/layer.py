@@ -15,8 +15,8 @@ zero-padded to d_k (that reads more bytes than the dense layer needs), and a sec
 dense layer with d = (d_k + d_v)/2 for q, k and v is measured too; both are labelled.
 
 Every timing is a ``timing.bench`` (CUDA events; L2 flushed), and host time (the Python call
-until it returns, before any synchronisation) is recorded beside it: a row whose host time
-exceeds its GPU time by 1.5x is host-bound. A measurement that runs out of memory is recorded as
+until it returns, before any synchronisation, on a warm call: compilation is not host time) is
+recorded beside it: a row whose host time exceeds its GPU time by 1.5x is host-bound. A measurement that runs out of memory is recorded as
 ``oom`` and the sweep goes on.
 """
 from __future__ import annotations
@@ -207,13 +207,14 @@ def _time(fn: Callable[[], object], device: str, budget_ms: float) -> Measured:
         tm = timing.bench(fn, device=device, warmup=0, reps=1)
         return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, tm.median_ms, None, tm.timer, timing=tm)
     try:
+        fn()                        # warmup: Triton compiles, SDPA picks its kernel; not timed
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        fn()                                            # also the warmup
+        fn()                        # a warm call: its host time and peak memory
         host = (time.perf_counter() - t0) * 1e3
         peak = torch.cuda.max_memory_allocated() / 2**30
-        if host > budget_ms:        # slow: the call above was the warmup, and three samples it is
+        if host > budget_ms:        # slow: three samples it is
             tm = timing.bench(fn, device=device, warmup=0, reps=3, telemetry=False)
         else:
             tm = timing.bench(fn, device=device, warmup=1, budget_ms=budget_ms, min_reps=3, max_reps=50,
