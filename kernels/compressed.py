@@ -255,15 +255,18 @@ def launch_config(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) ->
     12.3 ms at d=128 and 17.8 ms at d_k=192 (128 rows / 4 warps: 13.4 and 24.8; BC 128 runs out of
     shared memory at 192); dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit 40.6-49.6 ms
     (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at the end of
-    the grid; split in 8: backward (dq + dk/dv) 40.0 ms at d=128, 109 ms at 192 with 4 warps."""
+    the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC 32: 27-49
+    ms); at d_k=192 dq 128 rows / 8 warps 20.0 ms (64 rows / 4 warps: 27.1) and dk/dv BC 32 /
+    4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4)."""
     BH = triton.next_power_of_2(h)
+    wide = max(BDK, BDV) > 128
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
         return {"BT": max(1, (256 if itemsize == 2 else 64) // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
     if kernel == "dq":
-        return {"BT": max(1, 64 // BH), "BC": 64, "num_warps": 4, "num_stages": 2}
+        return {"BT": max(1, (128 if wide else 64) // BH), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}
     # split_len: a split gets at least this many queries (short sequences are not split)
-    return {"BT": max(1, 64 // BH), "BC": 64, "NSPLIT": 8, "split_len": 4096,
-            "num_warps": 8 if max(BDK, BDV) > 128 else 4, "num_stages": 2}
+    return {"BT": max(1, 64 // BH), "BC": 32 if wide else 64, "NSPLIT": 8, "split_len": 4096,
+            "num_warps": 4, "num_stages": 2}
 
 
 def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:

@@ -22,7 +22,7 @@ SUITES = {s.name: s for s in [
     Suite("sanity", "test_sanity.py",
           "tiny prefill + decode end to end; each branch (gate forced one-hot) vs the oracle; finite outputs"),
     Suite("triton", "test_triton.py",
-          "Triton selection kernel fwd/bwd vs the oracle; GQA, varlen, determinism, module on the kernel; bench"),
+          "Triton selection, compressed attention and block scoring kernels vs the oracle; GQA, varlen, determinism, module on the kernels; bench"),
     Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; bench"),
     Suite("decode", "test_decode.py",
           "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline"),
