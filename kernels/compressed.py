@@ -262,8 +262,9 @@ def launch_config(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) ->
     wide = max(BDK, BDV) > 128
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
         return {"BT": max(1, (256 if itemsize == 2 else 64) // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
-    if kernel == "dq":
-        return {"BT": max(1, (128 if wide else 64) // BH), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}
+    if kernel == "dq":           # (fp32 at d_k=192: 128 rows do not fit in shared memory)
+        big = wide and itemsize == 2
+        return {"BT": max(1, (128 if big else 64) // BH), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}
     # split_len: a split gets at least this many queries (short sequences are not split)
     return {"BT": max(1, 64 // BH), "BC": 32 if wide else 64, "NSPLIT": 8, "split_len": 4096,
             "num_warps": 4, "num_stages": 2}
