@@ -1,0 +1,58 @@
+"""The layer bench records an out-of-memory measurement as a result and the sweep's table still
+renders (the path a GPU run reaches when a shape does not fit; forced here on a CPU)."""
+import torch
+
+from nsa_validate import layer_table
+from nsa_validate.bench import layer
+from nsa_validate.plugin import SuiteExtra
+
+OOM = "CUDA out of memory. Tried to allocate 96.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def _no_cuda_calls(monkeypatch):
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+
+
+def test_oom_is_recorded_with_the_size_it_tried(monkeypatch):
+    _no_cuda_calls(monkeypatch)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        raise torch.cuda.OutOfMemoryError(OOM)
+
+    m = layer._time(fn, "cuda", budget_ms=100.0)
+    assert calls, "the measured function never ran"
+    assert m.ms is None and m.timing is None
+    assert "Tried to allocate 96.00 GiB" in m.oom
+
+
+def test_other_errors_are_not_swallowed(monkeypatch):
+    _no_cuda_calls(monkeypatch)
+
+    def fn():
+        raise RuntimeError("an illegal memory access was encountered")
+
+    try:
+        layer._time(fn, "cuda", budget_ms=100.0)
+    except RuntimeError as e:
+        assert "illegal memory access" in str(e)
+    else:
+        raise AssertionError("a non-OOM error was recorded as a result")
+
+
+def test_table_renders_an_oom_row(tmp_path):
+    shape = layer.Shape(1, 65536, 2048, 4, 16, 192, 128)
+    oom = layer.Measured(oom=f"out of memory: {OOM}")
+    ok = layer.Measured(ms=120.0, p20_ms=119.0, p80_ms=121.0, host_ms=2.0, peak_gib=9.3, timer="cuda")
+    dense = {"sdpa": layer.Dense("sdpa", "sdpa, d_k=192, d_v=128", "sdpa", 192, 128)}
+    row = layer.Row(shape, {"cmp": "triton", "sel": "triton", "win": "fa2:auto", "select": "triton"},
+                    nsa_fwd=ok, nsa_fwdbwd=oom, dense_fwd={"sdpa": ok}, dense_fwdbwd={"sdpa": oom}, dense=dense)
+    assert row.speedup("fwdbwd") is None and row.speedup("fwd") == 1.0
+    extra = SuiteExtra(str(tmp_path))
+    df = layer_table.finish([row], extra, device="CPU")
+    assert len(df) == 1 and (tmp_path / "layer.csv").exists()
+    cells = [r["NSA fwd+bwd"] for r in extra.data["tables"][layer_table.TABLE]]
+    assert cells and "oom" in cells[0], cells
