@@ -11,9 +11,9 @@ other causal blocks (j·l' <= t), ties to the lower index — the oracle's rule
 One program takes BT consecutive query tokens and the h heads of one KV group and walks the
 causal blocks in chunks of BB (BB·l'/d compressed tokens): it recomputes the chunk's
 probabilities, maps them onto the chunk's blocks with a 0/1 overlap matrix (a span that runs into
-the next chunk's first block carries its share over), sums the heads and merges the chunk's BB
-candidates into a running top-BB list (one comparison when none of them gets in). Nothing of size [T, N] or [T, NB] is ever
-written to memory: the scores live in registers for one chunk at a time.
+the next chunk's first block carries its share over), sums the heads and moves the chunk's
+candidates that beat the running top-BB list into it (one comparison when none does). Nothing of
+size [T, N] or [T, NB] is ever written to memory: the scores live in registers one chunk at a time.
 
 A candidate is one int64 key: the fp32 score's bits (non-negative floats order like their
 bit patterns; a forced block gets +inf's) above 2³¹ − 1 − j, so keys are distinct, order by

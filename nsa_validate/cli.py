@@ -236,15 +236,18 @@ app.add_typer(profile_app, name="profile")
 
 
 @profile_app.command("suggest")
-def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder whose fa2 suite ran its bench"),
+def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder whose fa2 or triton suite ran its bench"),
                         apply: bool = typer.Option(False, "--apply", help="replace the profile (a backup is kept)"),
                         json_out: bool = JsonOpt) -> None:
-    """Write the FA-2 thresholds a run measured into a suggested profile next to the shipped one."""
+    """Write the routing thresholds a run measured (FA-2 from the fa2 suite, the Triton compressed /
+    selection kernels from the triton suite) into a suggested profile next to the shipped one."""
     res = _load_run(run_dir)
-    suggest = ((res["suites"].get("fa2") or {}).get("extra") or {}).get("suggest")
+    suggest = {}
+    for name in ("fa2", "triton"):
+        suggest.update(((res["suites"].get(name) or {}).get("extra") or {}).get("suggest") or {})
     if not suggest:
-        raise UsageError(f"run '{run_dir}' has no FA-2 recommendation (its fa2 suite did not run the bench: "
-                         f"see its report)")
+        raise UsageError(f"run '{run_dir}' has no routing recommendation (neither its fa2 nor its triton suite "
+                         f"ran a bench: see its report)")
     prof = profiles.load(res["manifest"]["profile"])
     shipped = Path(prof.source)
     stamp = rundir.utc_stamp()

@@ -50,6 +50,8 @@ class TritonCfg:
     long_seq_lens: list[int] = field(default_factory=list)      # parity on sampled rows (GPU)
     prefill_paper_len: int | None = None                          # module prefill, paper config
     bench_seq_lens: list[int] = field(default_factory=list)
+    route_seq_lens: list[int] = field(default_factory=list)      # Triton vs torch per routed stage (GPU)
+    margin: float = 1.2                                           # speedup a route needs at every longer length
 
 
 @dataclass

@@ -671,3 +671,65 @@ def test_bench(S, record, extra):
                    f"bwd {t['sel_bwd'].median_ms:.2f} ms; figures to beat (SPEC §9, measured on an H100): "
                    f"fwd {REFERENCE_64K['fwd']} ms, bwd {REFERENCE_64K['bwd']} ms. Timings: median "
                    f"[p20-p80] of CUDA-event samples, L2 flushed before each.")
+
+
+# -- routing the compressed branch and block selection: Triton vs the torch path (GPU) -------------
+ROUTE_TABLE = ("Triton compressed attention and block scoring + top-n vs the torch path the module takes "
+               "otherwise (module stages, bf16, B=1, H=64, G=4, d=128, paper blocks)")
+ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}}
+
+
+@pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.route_seq_lens],
+                                       "triton", "route_seq_lens", 1))
+def test_route_bench(S, record, extra):
+    """Each routed stage of ``NSAAttention`` on both backends at one length: the compressed branch
+    forward+backward, and block selection (the Triton one including its lse pass, as when the
+    compressed branch runs elsewhere). Feeds ``route_recommendation``."""
+    dtype = torch.bfloat16
+    _require_cmp(dtype)
+    if DEV != "cuda":
+        pytest.skip("timings on a CPU are noise; the route recommendation needs a GPU")
+    cfg = NSAConfig(d_model=128, d_k=128, d_v=128)                      # G=4, h=16, l=32, d=16, l'=64, n=16
+    m = NSAAttention(cfg).to(DEV, dtype)
+    N = cfg.n_cmp_total(S)
+    g = torch.Generator(device=DEV).manual_seed(S)
+    mk = lambda *s: torch.randn(*s, device=DEV, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
+    q, kc, vc = mk(1, S, cfg.n_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_v)
+    go = torch.randn(1, S, cfg.n_heads, cfg.d_v, device=DEV).to(dtype)
+    policies = {"torch": RoutingPolicy(), "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0)}
+    t, row = {}, {"S": S}
+    for name, pol in policies.items():
+        r = routing.prefill_routes(pol, S, cfg=cfg, device=torch.device(DEV), dtype=dtype)
+        cmp_fb = lambda r=r: torch.autograd.grad(m.run_branch("cmp", r, q=q, k_cmp=kc, v_cmp=vc), (q, kc, vc), go)  # noqa: E731
+        sel = lambda r=r: m.select_from(q.detach(), kc.detach(), r)  # noqa: E731
+        with record.capture() as log:
+            cmp_fb()
+            sel()
+        record.expect_ran(log, "prefill", "cmp", name)
+        record.expect_ran(log, "prefill", "select", name)
+        t[f"cmp_fwdbwd_{name}"] = timing.bench(cmp_fb)
+        t[f"select_{name}"] = timing.bench(sel)
+    for key, tm in t.items():
+        record.timing(key, tm)
+        row[f"{key} ms"] = _ms(tm)
+    for stage, key in (("cmp", "cmp_fwdbwd"), ("select", "select")):
+        ROUTE_SPEEDUPS[stage][S] = t[f"{key}_torch"].median_ms / t[f"{key}_triton"].median_ms
+        row[f"{stage} speedup"] = round(ROUTE_SPEEDUPS[stage][S], 2)
+    extra.row(ROUTE_TABLE, row)
+
+
+def test_route_recommendation(record, extra):
+    """Per stage, the shortest measured length from which the Triton kernel is ``margin`` times
+    faster than the torch path there and at every longer length measured (None: keep torch);
+    written where ``nsa-validate profile suggest`` reads it."""
+    if not any(ROUTE_SPEEDUPS.values()):
+        pytest.skip("no route bench ran here (see the route_bench cases' reasons)")
+    from nsa_validate import thresholds
+    suggest = {f"{stage}_triton_min_len": thresholds.recommend(sp, CFG.margin) for stage, sp in ROUTE_SPEEDUPS.items()}
+    for stage, sp in ROUTE_SPEEDUPS.items():
+        extra.row("Triton route recommendation", {
+            "stage": stage, "margin": CFG.margin,
+            f"recommended {stage}_triton_min_len": suggest[f"{stage}_triton_min_len"] or "keep torch",
+            "speedups": ", ".join(f"{S}: {x:.2f}x" for S, x in sorted(sp.items()))})
+    extra.set("suggest", suggest)
+    record.metrics["suggest"] = suggest

@@ -7,16 +7,19 @@ import yaml
 from test_cli import REPO, cli
 
 
-def _run(tmp_path, suggest):
+def _run(tmp_path, suggest, triton=None):
     prof = tmp_path / "profiles" / "sm90.yaml"
     prof.parent.mkdir()
     shutil.copy(REPO / "profiles" / "sm90.yaml", prof)
     run = tmp_path / "run"
     run.mkdir()
     fa2 = {"status": "pass", "cases": [], "extra": {"suggest": suggest} if suggest else {}}
+    suites = {"fa2": fa2}
+    if triton:
+        suites["triton"] = {"status": "pass", "cases": [], "extra": {"suggest": triton}}
     (run / "results.json").write_text(json.dumps({
         "schema_version": 1, "manifest": {"profile": str(prof), "started": "2026-11-21T00:00:00+00:00"},
-        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": {"fa2": fa2}}))
+        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": suites}))
     return prof, run
 
 
@@ -49,9 +52,24 @@ def test_apply_replaces_only_after_a_backup(tmp_path):
     assert yaml.safe_load(prof.read_text())["routing"]["fa2_min_len_cmp"] == 4096
 
 
+def test_triton_route_thresholds_join_the_suggestion(tmp_path):
+    """The triton suite's route recommendation (its bench of the Triton compressed / selection
+    kernels vs the torch path) lands in the same suggested profile as the fa2 one, or alone."""
+    prof, run = _run(tmp_path, SUGGEST, triton={"cmp_triton_min_len": 512, "select_triton_min_len": None})
+    assert cli("profile", "suggest", str(run)).returncode == 0
+    routing = yaml.safe_load(prof.with_name("sm90.suggested.yaml").read_text())["routing"]
+    assert routing["cmp_triton_min_len"] == 512 and routing["select_triton_min_len"] is None
+    assert routing["fa2_min_len_cmp"] == 4096
+    (tmp_path / "alone").mkdir()
+    prof, run = _run(tmp_path / "alone", None, triton={"cmp_triton_min_len": 128, "select_triton_min_len": 128})
+    assert cli("profile", "suggest", str(run)).returncode == 0
+    routing = yaml.safe_load(prof.with_name("sm90.suggested.yaml").read_text())["routing"]
+    assert routing["cmp_triton_min_len"] == 128 and routing["fa2_min_len_cmp"] == 16384
+
+
 def test_run_without_a_recommendation_is_bad_input(tmp_path):
     prof, run = _run(tmp_path, None)
     r = cli("profile", "suggest", str(run))
-    assert r.returncode == 2 and "no FA-2 recommendation" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no routing recommendation" in r.stderr and "Traceback" not in r.stderr
     r = cli("profile", "suggest", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no results.json" in r.stderr
