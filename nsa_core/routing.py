@@ -83,31 +83,29 @@ class Decision:
 
 
 def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
-    """The backend the policy picks for one branch at this length, and why."""
-    wanted, why = "torch", "default"
-    notes = []
+    """The backend the policy picks for one branch at this length, and why: the first backend
+    whose threshold is met and that can run here (Triton before FA-2), else torch."""
+    candidates, notes = [], []
     if phase == "prefill" and branch in ("sel", "cmp", "select"):
         thr = getattr(policy, f"{branch}_triton_min_len")
         if thr is not None and seq_len >= thr:
-            wanted, why = "triton", f"S={seq_len} >= {branch}_triton_min_len={thr}"
+            candidates.append(("triton", f"S={seq_len} >= {branch}_triton_min_len={thr}"))
         elif thr is not None:
             notes.append(f"S={seq_len} < {branch}_triton_min_len={thr}")
-    if phase == "prefill" and branch in ("cmp", "win") and wanted == "torch":
+    if phase == "prefill" and branch in ("cmp", "win"):
         thr = getattr(policy, f"fa2_min_len_{branch}")
         if thr is not None and seq_len >= thr:
-            wanted, why = f"fa2:{policy.fa2_backend}", f"S={seq_len} >= fa2_min_len_{branch}={thr}"
+            candidates.append((f"fa2:{policy.fa2_backend}", f"S={seq_len} >= fa2_min_len_{branch}={thr}"))
         elif thr is not None:
             notes.append(f"S={seq_len} < fa2_min_len_{branch}={thr}")
-    if wanted == "torch" and notes:
-        why = "; ".join(notes)
     if phase == "decode" and policy.decode_backend != "torch":
-        wanted, why = policy.decode_backend, f"decode_backend={policy.decode_backend}"
-    if wanted == "torch":
-        return Decision(phase, branch, "torch", why)
-    impl, reason = lookup(phase, branch, wanted, seq_len=seq_len, **query)
-    if impl is None:
-        return Decision(phase, branch, "torch", f"{why}, but {wanted} unavailable: {reason}")
-    return Decision(phase, branch, wanted, why)
+        candidates.append((policy.decode_backend, f"decode_backend={policy.decode_backend}"))
+    for wanted, why in candidates:
+        impl, reason = lookup(phase, branch, wanted, seq_len=seq_len, **query)
+        if impl is not None:
+            return Decision(phase, branch, wanted, why)
+        notes.append(f"{why}, but {wanted} unavailable: {reason}")
+    return Decision(phase, branch, "torch", "; ".join(notes) or "default")
 
 
 def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:

@@ -48,3 +48,19 @@ def test_nested_captures_each_see_their_own_calls():
         routing.note("decode", "sel", "torch")
     assert inner.backends() == {"cmp": ["torch"]}
     assert outer.backends() == {"cmp": ["torch"], "sel": ["torch"], "win": ["torch"]}
+
+
+def test_compressed_branch_falls_back_to_fa2_when_triton_cannot_run(monkeypatch):
+    """Both thresholds met: Triton is preferred; where it cannot run, the next backend whose
+    threshold is met (FA-2) is used, not torch, and the reason names both."""
+    import torch
+    from nsa_core import PAPER, routing
+    from nsa_core.routing import RoutingPolicy
+    routing._load_kernels()
+    monkeypatch.setitem(routing._IMPLS, ("prefill", "cmp", "fa2:fake"), (lambda **_: None, lambda **_: None))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pol = RoutingPolicy(cmp_triton_min_len=128, fa2_min_len_cmp=256, fa2_backend="fake")
+    d = routing.decide(pol, "prefill", "cmp", 1024, cfg=PAPER, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert d.backend == "fa2:fake" and d.reason == "S=1024 >= fa2_min_len_cmp=256"
+    d = routing.decide(pol, "prefill", "cmp", 200, cfg=PAPER, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert d.backend == "torch" and "triton unavailable" in d.reason and "S=200 < fa2_min_len_cmp=256" in d.reason
