@@ -39,6 +39,17 @@ from kernels.selection import LOG2E, _pow2, _precision
 
 
 # -- kernels -------------------------------------------------------------------------------
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)      # the same constant, usable inside kernels
+
+
+@triton.jit
+def _seq(CU, CUC, b):
+    """Sequence b: (first token, length, first compressed token, compressed length)."""
+    bos = tl.load(CU + b)
+    cbos = tl.load(CUC + b)
+    return bos, tl.load(CU + b + 1) - bos, cbos, tl.load(CUC + b + 1) - cbos
+
+
 @triton.jit
 def _tile_rows(t0, seq_len, g, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """Rows of a tile of BT tokens × BH heads: (token position in its sequence, query head, valid)."""
@@ -49,9 +60,29 @@ def _tile_rows(t0, seq_len, g, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.c
 
 
 @triton.jit
+def _load_2d(P, base, ok, D: tl.constexpr, BD: tl.constexpr):
+    """Row r of the result is P[base[r] : base[r] + D], zero past D and where ``ok`` is False: [rows, BD]."""
+    offs = tl.arange(0, BD)
+    return tl.load(P + base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
+    """P[base[r] : base[r] + D] = x[r] (cast to P's dtype) where ``ok``."""
+    offs = tl.arange(0, BD)
+    tl.store(P + base[:, None] + offs[None, :], x.to(P.dtype.element_ty), mask=ok[:, None] & (offs[None, :] < D))
+
+
+@triton.jit
 def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
     """Compressed tokens query t may use (integer division truncates: guard t + 1 < l)."""
     return tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
+
+
+@triton.jit
+def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """[rows, BC]: query row at position t_rel uses compressed token i (i·d + l − 1 <= t); both valid."""
+    return ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
 
 
 @triton.jit
@@ -64,31 +95,22 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
     """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
     block scoring when the compressed branch itself ran elsewhere)."""
     g = tl.program_id(1)
-    b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
-    cbos = tl.load(CUC + b)
-    n_seq = tl.load(CUC + b + 1) - cbos
+    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     t0 = tl.program_id(0) * BT
     if t0 < seq_len:
         t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
         t = (bos + t_rel).to(tl.int64)
-        offs_c = tl.arange(0, BC)
-        offs_dk = tl.arange(0, BDK)
-        offs_dv = tl.arange(0, BDV)
-        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
-                    mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
         n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
         m_i = tl.full([BT * BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BT * BH], tl.float32)
         acc = tl.zeros([BT * BH, BDV], tl.float32)
         for c0 in range(0, n_hi, BC):
-            i = c0 + offs_c
+            i = c0 + tl.arange(0, BC)
             inb = i < n_hi
             kc = (cbos + i).to(tl.int64)
-            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :],
-                        mask=inb[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
             s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
@@ -97,17 +119,14 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             if WITH_O:
-                v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :],
-                            mask=inb[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         empty = l_i == 0.0
-        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
         if WITH_O:
-            o = acc / tl.where(empty, 1.0, l_i)[:, None]
-            tl.store(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
-                     mask=ok[:, None] & (offs_dv[None, :] < DV))
+            _store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
 
 
 @triton.jit
@@ -118,44 +137,34 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
     g = tl.program_id(1)
-    b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
-    cbos = tl.load(CUC + b)
-    n_seq = tl.load(CUC + b + 1) - cbos
+    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     t0 = tl.program_id(0) * BT
     if t0 < seq_len:
         t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
         t = (bos + t_rel).to(tl.int64)
-        offs_c = tl.arange(0, BC)
-        offs_dk = tl.arange(0, BDK)
-        offs_dv = tl.arange(0, BDV)
-        dk_ok = offs_dk[None, :] < DK
-        dv_ok = offs_dv[None, :] < DV
-        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
-        do = tl.load(DO + t[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
-        o = tl.load(O + t[:, None] * sot + head[:, None] * soh + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+        do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
+        o = _load_2d(O, t * sot + head * soh, ok, DV, BDV)
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
         n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
         dq = tl.zeros([BT * BH, BDK], tl.float32)
         for c0 in range(0, n_hi, BC):
-            i = c0 + offs_c
+            i = c0 + tl.arange(0, BC)
             inb = i < n_hi
             kc = (cbos + i).to(tl.int64)
-            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :], mask=inb[:, None] & dk_ok, other=0.0)
-            v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :], mask=inb[:, None] & dv_ok, other=0.0)
-            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+            v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
             # masked scores go to -inf before exp2: a score the forward never saw must not overflow
             s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DQ + t[:, None] * sdqt + head[:, None] * sdqh + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=ok[:, None] & dk_ok)
+        _store_2d(DQ, t * sdqt + head * sdqh, dq * scale, ok, DK, BDK)
 
 
 @triton.jit
@@ -174,13 +183,8 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
     split = tl.program_id(0) % NSPLIT
     g = tl.program_id(1)
     b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
-    cbos = tl.load(CUC + b)
-    n_seq = tl.load(CUC + b + 1) - cbos
+    bos, seq_len, cbos, n_seq = _seq(CU, CUC, b)
     i0 = c * BC
-    offs_dk = tl.arange(0, BDK)
-    offs_dv = tl.arange(0, BDV)
     offs_c = tl.arange(0, BC)
     dk = tl.zeros([BC, BDK], tl.float32)
     dv = tl.zeros([BC, BDV], tl.float32)
@@ -188,10 +192,8 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         i = i0 + offs_c
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
-        dk_ok = offs_dk[None, :] < DK
-        dv_ok = offs_dv[None, :] < DV
-        k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :], mask=inb[:, None] & dk_ok, other=0.0)
-        v = tl.load(VC + kc[:, None] * svt + g * svh + offs_dv[None, :], mask=inb[:, None] & dv_ok, other=0.0)
+        k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+        v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
         t_first = i0 * CMP_STRIDE + CMP_LEN - 1
         run = tl.cdiv(tl.cdiv(seq_len - t_first, BT), NSPLIT) * BT
         lo = t_first + split * run
@@ -199,12 +201,11 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         for t0 in range(lo, hi, BT):
             t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
             t = (bos + t_rel).to(tl.int64)
-            q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
-            do = tl.load(DO + t[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
-                         mask=ok[:, None] & dv_ok, other=0.0)
-            lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+            q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+            do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
+            lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
             delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
             s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])                                          # [rows, BC]
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
@@ -213,8 +214,9 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
     # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
     row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
-    tl.store(PART_K + row * (BC * BDK) + offs_c[:, None] * BDK + offs_dk[None, :], dk)
-    tl.store(PART_V + row * (BC * BDV) + offs_c[:, None] * BDV + offs_dv[None, :], dv)
+    every = offs_c >= 0
+    _store_2d(PART_K, row * (BC * BDK) + offs_c * BDK, dk, every, BDK, BDK)
+    _store_2d(PART_V, row * (BC * BDV) + offs_c * BDV, dv, every, BDV, BDV)
 
 
 @triton.jit
@@ -229,21 +231,18 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
     n_seq = tl.load(CUC + b + 1) - cbos
     if c * BC < n_seq:
         offs_c = tl.arange(0, BC)
-        offs_dk = tl.arange(0, BDK)
-        offs_dv = tl.arange(0, BDV)
         i = c * BC + offs_c
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
+        every = offs_c >= 0
         dk = tl.zeros([BC, BDK], tl.float32)
         dv = tl.zeros([BC, BDV], tl.float32)
         row0 = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT).to(tl.int64)
         for split in tl.static_range(NSPLIT):
-            dk += tl.load(PART_K + (row0 + split) * (BC * BDK) + offs_c[:, None] * BDK + offs_dk[None, :])
-            dv += tl.load(PART_V + (row0 + split) * (BC * BDV) + offs_c[:, None] * BDV + offs_dv[None, :])
-        tl.store(DKC + kc[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DKC.dtype.element_ty),
-                 mask=inb[:, None] & (offs_dk[None, :] < DK))
-        tl.store(DVC + kc[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DVC.dtype.element_ty),
-                 mask=inb[:, None] & (offs_dv[None, :] < DV))
+            dk += _load_2d(PART_K, (row0 + split) * (BC * BDK) + offs_c * BDK, every, BDK, BDK)
+            dv += _load_2d(PART_V, (row0 + split) * (BC * BDV) + offs_c * BDV, every, BDV, BDV)
+        _store_2d(DKC, kc * sdkt + g * sdkh, dk * scale, inb, DK, BDK)
+        _store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV)
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_len: int, cmp_stride: int) -> t
     return torch.cat([cu_seqlens.new_zeros(1), torch.cumsum(n, 0).to(torch.int32)])
 
 
-def _grid_sizes(q, cu, cmp_len, cmp_stride, max_seqlen):
+def _grid_sizes(cu, cmp_len, cmp_stride, max_seqlen):
     max_seqlen = max_seqlen if max_seqlen is not None else (
         int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0)
     max_cmp = (max_seqlen - cmp_len) // cmp_stride + 1 if max_seqlen >= cmp_len else 0
@@ -317,7 +316,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     T, H, dk = q.shape
     dv = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
-    max_seqlen, _ = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
     if with_o and out is None:
         out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
@@ -345,7 +344,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     T, H, d_k = q.shape
     d_v = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
-    max_seqlen, max_cmp = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    max_seqlen, max_cmp = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
     do, lse = do.contiguous(), lse.contiguous()
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k_cmp)          # compressed tokens of no sequence (none in a packed batch) stay 0

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from nsa_core import routing
-from kernels.compressed import _check as _check_cmp, _grid_sizes, _n_cmp, _tile_rows, cmp_cu_seqlens
+from kernels.compressed import (_LOG2E, _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, _tile_rows,
+                                _visible, cmp_cu_seqlens)
 from kernels.selection import LOG2E, _pow2, _precision
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
@@ -64,19 +65,13 @@ def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
                        H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                        BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr):
     g = tl.program_id(1)
-    b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
-    cbos = tl.load(CUC + b)
-    n_seq = tl.load(CUC + b + 1) - cbos
+    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     t0 = tl.program_id(0) * BT
     if t0 < seq_len:
         t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
         t = (bos + t_rel).to(tl.int64)
-        offs_dk = tl.arange(0, BDK)
-        q = tl.load(Q + t[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
-                    mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * 1.4426950408889634
+        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
         tok = t0 + tl.arange(0, BT)                                   # the tile's tokens (rows of the scores)
         tok_ok = tok < seq_len
         cur = tok // BLOCK
@@ -94,9 +89,8 @@ def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
             i = c * BCS + sp
             inb = i < n_hi
             kc = (cbos + i).to(tl.int64)
-            k = tl.load(KC + kc[:, None] * skt + g * skh + offs_dk[None, :],
-                        mask=inb[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            vis = ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             p = tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)      # [rows, BCS]
             per_head = tl.dot(p, ov, input_precision=PREC)                               # [rows, BB]
@@ -109,18 +103,14 @@ def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
             bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
             key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
             top = _insert_top(top, tl.where(causal, key, NO_KEY))
-        slot = tl.arange(0, BB)
-        # the BB best, unordered; keep the N_SEL best (BB may be larger) and write them ascending
-        rank = tl.zeros([BT, BB], tl.int32)
-        for o in tl.static_range(BB):
-            other = tl.sum(tl.where(jb[None, :] == o, top, 0), 1)            # top[:, o]
-            rank += (other[:, None] > top).to(tl.int32)
-        taken = (top >= 0) & (rank < N_SEL)
+        # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending
+        top = tl.sort(top, 1, descending=True)
+        taken = (top >= 0) & (jb[None, :] < N_SEL)
         blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)
         blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
         blocks = tl.where(blocks == 0x7FFFFFFF, -1, blocks)
-        tl.store(IDX + (bos + tok).to(tl.int64)[:, None] * sit + g * sig + slot[None, :], blocks,
-                 mask=tok_ok[:, None] & (slot[None, :] < N_SEL))
+        tl.store(IDX + (bos + tok).to(tl.int64)[:, None] * sit + g * sig + jb[None, :], blocks,
+                 mask=tok_ok[:, None] & (jb[None, :] < N_SEL))
 
 
 def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int) -> str | None:
@@ -169,7 +159,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_l
     if lse.shape != (T, H) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be [T, H] = [{T}, {H}] fp32; got {tuple(lse.shape)} {lse.dtype}")
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
-    max_seqlen, _ = _grid_sizes(q, cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
     out = torch.empty(T, G, n_selected, device=q.device, dtype=torch.int32) if out is None else out
     B = cu_seqlens.numel() - 1
     if T and B and max_seqlen:

@@ -77,6 +77,16 @@ def window_mask(cfg: NSAConfig, positions: torch.Tensor, seq_len: int) -> torch.
     return (s[None, :] <= t) & (s[None, :] >= t - cfg.window + 1)
 
 
+def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, positions: torch.Tensor) -> torch.Tensor:
+    """The compressed branch's attention probabilities: q [B, Sq, G, h, dk] at ``positions`` [Sq],
+    k_cmp [B, N, G, dk] -> p [B, Sq, G, h, N] over the tokens ``cmp_mask`` allows; a row with none is 0."""
+    cm = cmp_mask(cfg, positions, k_cmp.shape[1])                              # [Sq, N]
+    s = torch.einsum("bqghd,bkgd->bqghk", q, k_cmp) * cfg.scale
+    s = s.masked_fill(~cm[None, :, None, None, :], float("-inf"))
+    has = cm.any(-1)[None, :, None, None, None]
+    return torch.softmax(s.masked_fill(~has, 0.0), dim=-1) * has
+
+
 def overlap_matrix(cfg: NSAConfig, n_tokens: int, n_blocks: int, device=None) -> torch.Tensor:
     """[N, NB] float: 1 where compressed span [i·d, i·d+l) intersects block [j·l', (j+1)·l')."""
     i = torch.arange(n_tokens, device=device)[:, None]
@@ -208,11 +218,7 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
         pos = torch.arange(t0, min(S, t0 + _CHUNK), device=x.device)
         qc = q[:, pos]
         # compressed branch, and its probabilities for selection
-        cm = cmp_mask(cfg, pos, N)                                              # [c, N]
-        s = torch.einsum("bqghd,bkgd->bqghk", qc, k_cmp) * cfg.scale
-        s = s.masked_fill(~cm[None, :, None, None, :], float("-inf"))
-        has = cm.any(-1)[None, :, None, None, None]
-        p = torch.softmax(s.masked_fill(~has, 0.0), dim=-1) * has              # [B, c, G, h, N]
+        p = compressed_probs(qc, k_cmp, cfg, pos)                               # [B, c, G, h, N]
         o_cmp.append(torch.einsum("bqghk,bkgd->bqghd", p, v_cmp))
         if idx is None or with_scores:
             sc = block_scores(p.reshape(B, len(pos), G * h, N).float(), cfg, S)

@@ -71,13 +71,22 @@ def _oracle(q, k, v, idx, lens, block_size, dtype, rows=None):
         cfg, idx[rc].long()[None], pos, S), dtype, rows)
 
 
+def _with_grads(attend, tensors, do, dtype):
+    """(o, grads) of ``attend`` run in ``dtype`` on leaf copies of ``tensors``; do is o's gradient.
+    A tensor nothing flows to gets a zero gradient."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in tensors]
+    o = attend(*leaves)
+    if not o.requires_grad:                                       # no row attended to anything
+        return o.detach(), tuple(torch.zeros_like(x) for x in leaves)
+    grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
+    return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
+
+
 def _oracle_grads(q, k, v, idx, lens, block_size, do, dtype, rows=None):
     """(o, (dq, dk, dv)) of the oracle in ``dtype`` on leaf copies of q (its ``rows`` only, if
     given), k and v; do holds the gradient of the computed rows."""
-    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q if rows is None else q[rows], k, v)]
-    o = _oracle(*leaves, idx, lens, block_size, dtype, rows)
-    grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
-    return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
+    return _with_grads(lambda q_, k_, v_: _oracle(q_, k_, v_, idx, lens, block_size, dtype, rows),
+                       (q if rows is None else q[rows], k, v), do, dtype)
 
 
 def _lp(dtype):
@@ -295,12 +304,16 @@ def _cmp_inputs(cfg: NSAConfig, lens: list[int], dtype, seed: int, grad: bool = 
 def _cmp_oracle_grads(q, kc, vc, lens, ncmp, cfg, do, dtype):
     """(o, (dq, dk_cmp, dv_cmp)) of the oracle in ``dtype``: masked attention over
     ``reference.cmp_mask`` (query t sees compressed token i iff i·d + l − 1 <= t)."""
-    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, kc, vc)]
-    o = oracle_attention(*leaves, lens, ncmp, lambda rc, pos, N: reference.cmp_mask(cfg, pos, N)[None, :, None, :], dtype)
-    if not o.requires_grad:                                       # no sequence has a compressed token
-        return o.detach(), tuple(torch.zeros_like(x) for x in leaves)
-    grads = torch.autograd.grad(o, leaves, do.to(dtype), allow_unused=True)
-    return o.detach(), tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads))
+    mask = lambda rc, pos, N: reference.cmp_mask(cfg, pos, N)[None, :, None, :]  # noqa: E731
+    return _with_grads(lambda q_, k_, v_: oracle_attention(q_, k_, v_, lens, ncmp, mask, dtype), (q, kc, vc), do, dtype)
+
+
+def _split_dkdv(cmp, monkeypatch):
+    """Make the compressed dk/dv split every chunk's queries in 3 runs (``split_len`` cut to 16),
+    so the ordered reduce of its partials runs at test sizes."""
+    base = cmp.launch_config
+    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
+                        if k == "dkdv" else base(k, *a))
 
 
 def _require_cmp(dtype):
@@ -358,9 +371,7 @@ def test_cmp_varlen_split(dt, record, monkeypatch):
     so the ordered reduce of the partials is exercised at these sizes."""
     dtype = DTYPES[dt]
     cmp, _ = _require_cmp(dtype)
-    base = cmp.launch_config
-    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
-                        if k == "dkdv" else base(k, *a))
+    _split_dkdv(cmp, monkeypatch)
     h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
     cfg = _cmp_cfg(h, dk, dv)
     lens = sorted(set(CFG.varlen_lens) | {cfg.cmp_len - 2, 3 * cfg.block_size + 5})
@@ -382,13 +393,8 @@ def _select_oracle(q, kc, lens, ncmp, cfg, dtype):
     G, h = cfg.n_kv_heads, cfg.heads_per_group
     for S, N in zip(lens, ncmp):
         pos = torch.arange(S, device=DEV)
-        qq = q[q0:q0 + S].to(dtype).view(1, S, G, h, cfg.d_k)
-        kk = kc[k0:k0 + N].to(dtype)[None]
-        m = reference.cmp_mask(cfg, pos, N)
-        s = torch.einsum("bqghd,bkgd->bqghk", qq, kk) * cfg.scale
-        s = s.masked_fill(~m[None, :, None, None, :], float("-inf"))
-        has = m.any(-1)[None, :, None, None, None]
-        p = torch.softmax(s.masked_fill(~has, 0.0), dim=-1) * has
+        p = reference.compressed_probs(q[q0:q0 + S].to(dtype).view(1, S, G, h, cfg.d_k), kc[k0:k0 + N].to(dtype)[None],
+                                       cfg, pos)
         sc = reference.block_scores(p.reshape(1, S, G * h, N).float(), cfg, S)
         out.append((reference.select_blocks(sc, pos, cfg)[0], sc[0]))
         q0, k0 = q0 + S, k0 + N
@@ -470,9 +476,7 @@ def test_cmp_select_deterministic(dt, record, monkeypatch):
     """Compressed forward, backward (with its split dk/dv) and block selection rerun bit-identically."""
     dtype = DTYPES[dt]
     cmp, scoring = _require_cmp(dtype)
-    base = cmp.launch_config
-    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
-                        if k == "dkdv" else base(k, *a))
+    _split_dkdv(cmp, monkeypatch)
     h, (dk, dv), S = CFG.heads_per_group[-1], CFG.head_dims[-1], CFG.seq_lens[-1]
     cfg = _cmp_cfg(h, dk, dv)
     q, kc, vc, ncmp = _cmp_inputs(cfg, [S], dtype, seed=19)
