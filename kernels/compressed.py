@@ -86,6 +86,32 @@ def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr)
 
 
 @triton.jit
+def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
+               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+               WITH_O: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over compressed tokens [c0, c0 + BC). MASKED=False where every row
+    of the tile sees every token of the chunk (no per-element visibility test)."""
+    i = c0 + tl.arange(0, BC)
+    inb = i < n_hi
+    kc = (cbos + i).to(tl.int64)
+    k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if WITH_O:
+        v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
@@ -102,31 +128,42 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
         t = (bos + t_rel).to(tl.int64)
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
         n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
+        # chunks below the tile's first token's horizon are seen whole by every row
+        n_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC
         m_i = tl.full([BT * BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BT * BH], tl.float32)
         acc = tl.zeros([BT * BH, BDV], tl.float32)
-        for c0 in range(0, n_hi, BC):
-            i = c0 + tl.arange(0, BC)
-            inb = i < n_hi
-            kc = (cbos + i).to(tl.int64)
-            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
-            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
-            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if WITH_O:
-                v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+        for c0 in range(0, n_full, BC):
+            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, False)
+        for c0 in range(n_full, n_hi, BC):
+            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, True)
         empty = l_i == 0.0
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
         if WITH_O:
             _store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
+
+
+@triton.jit
+def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
+              CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """dq += dS·K over compressed tokens [c0, c0 + BC) (MASKED=False: every row sees the whole chunk)."""
+    i = c0 + tl.arange(0, BC)
+    inb = i < n_hi
+    kc = (cbos + i).to(tl.int64)
+    k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+    v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        # masked scores go to -inf before exp2: a score the forward never saw must not overflow
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
 
 @triton.jit
@@ -150,21 +187,39 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
         n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
+        n_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC    # seen whole by every row
         dq = tl.zeros([BT * BH, BDK], tl.float32)
-        for c0 in range(0, n_hi, BC):
-            i = c0 + tl.arange(0, BC)
-            inb = i < n_hi
-            kc = (cbos + i).to(tl.int64)
-            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
-            v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
-            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
-            # masked scores go to -inf before exp2: a score the forward never saw must not overflow
-            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
-            p = tl.exp2(s - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        for c0 in range(0, n_full, BC):
+            dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, False)
+        for c0 in range(n_full, n_hi, BC):
+            dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, True)
         _store_2d(DQ, t * sdqt + head * sdqh, dq * scale, ok, DK, BDK)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh, slt, slh, scale_log2,
+               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+               PREC: tl.constexpr, MASKED: tl.constexpr):
+    """dk/dv of the chunk += the contributions of query tokens [t0, t0 + BT) (rows past ``hi`` or
+    the group's heads give 0: their lse loads as +inf). MASKED=False: every row sees every token."""
+    t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
+    t = (bos + t_rel).to(tl.int64)
+    q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+    do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
+    lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
+    delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])                                              # [rows, BC]
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    return dk, dv
 
 
 @triton.jit
@@ -198,20 +253,15 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         run = tl.cdiv(tl.cdiv(seq_len - t_first, BT), NSPLIT) * BT
         lo = t_first + split * run
         hi = tl.minimum(lo + run, seq_len)
-        for t0 in range(lo, hi, BT):
-            t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
-            t = (bos + t_rel).to(tl.int64)
-            q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
-            do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
-            lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
-            delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
-            s = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
-            p = tl.exp2(s - lse2[:, None])                                          # [rows, BC]
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        # query tiles from t_all on see the whole chunk (its last token's span is complete)
+        t_all = (i0 + BC - 1) * CMP_STRIDE + CMP_LEN - 1
+        mid = tl.minimum(hi, lo + tl.cdiv(tl.maximum(t_all - lo, 0), BT) * BT)
+        for t0 in range(lo, mid, BT):
+            dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
+                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK, DV, BT, BH, BDK, BDV, PREC, True)
+        for t0 in range(mid, hi, BT):
+            dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
+                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK, DV, BT, BH, BDK, BDV, PREC, False)
     # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
     row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
     every = offs_c >= 0

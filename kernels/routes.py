@@ -16,10 +16,10 @@ from kernels.interpreter import interpreting, probe
 try:
     import triton
 
-    from kernels import compressed, decode, scoring, selection
+    from kernels import compressed, decode, mix, scoring, selection
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
-    compressed = decode = scoring = selection = None
+    compressed = decode = mix = scoring = selection = None
     _TRITON_MISSING = f"triton does not import ({e})"
 
 
@@ -111,6 +111,16 @@ def prefill_select(cfg: NSAConfig, q, k_cmp, lse=None):
 
 
 routing.register("prefill", "select", "triton", prefill_select, select_unavailable)
+
+
+def prefill_mix(g, o_cmp, o_sel, o_win):
+    """g [B, S, H, 3], o_* [B, S, H, d_v] -> Σ g·o [B, S, H, d_v] in one Triton pass (and one backward)."""
+    o = mix.gated_mix(g, o_cmp, o_sel, o_win)
+    routing.note("prefill", "mix", "triton")
+    return o
+
+
+routing.register("prefill", "mix", "triton", prefill_mix, triton_unavailable)
 
 
 # -- FA-2 varlen for the compressed and window branches -------------------------------------

@@ -8,10 +8,11 @@ two local blocks ⌊t/l'⌋, ⌊t/l'⌋ − 1 are forced; the remaining slots go
 other causal blocks (j·l' <= t), ties to the lower index — the oracle's rule
 (``nsa_core.reference.select_blocks``). Output ascending, −1 padded.
 
-One program takes BT consecutive query tokens and the h heads of one KV group and walks the
-causal blocks in chunks of BB (BB·l'/d compressed tokens): it recomputes the chunk's
-probabilities, maps them onto the chunk's blocks with a 0/1 overlap matrix (a span that runs into
-the next chunk's first block carries its share over), sums the heads and moves the chunk's
+One program takes BT consecutive query tokens of one KV group and walks the causal blocks in
+chunks of BB (BB·l'/d compressed tokens): it recomputes the chunk's probabilities head by head
+and sums them over the group's h heads, maps the sum onto the chunk's blocks with one product by
+a 0/1 overlap matrix (the mapping is linear, so once per chunk rather than once per head; a span
+that runs into the next chunk's first block carries its share over), and moves the chunk's
 candidates that beat the running top-BB list into it (one comparison when none does). Nothing of
 size [T, N] or [T, NB] is ever written to memory: the scores live in registers one chunk at a time.
 
@@ -35,8 +36,7 @@ import triton
 import triton.language as tl
 
 from nsa_core import routing
-from kernels.compressed import (_LOG2E, _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, _tile_rows,
-                                _visible, cmp_cu_seqlens)
+from kernels.compressed import _LOG2E, _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
 from kernels.selection import LOG2E, _pow2, _precision
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
@@ -59,21 +59,55 @@ def _insert_top(top, key):
 
 
 @triton.jit
+def _score_chunk(top, carry, Q, LSE, t, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC,
+                 sqt, sqh, skt, skh, slt, slh, scale_log2,
+                 CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
+                 BT: tl.constexpr, BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Blocks [c·BB, (c+1)·BB) into the running top list: the probabilities of the chunk's BCS
+    compressed tokens are summed over the group's heads first, then mapped onto blocks once
+    (the mapping is linear). MASKED=False where every token of the tile sees the whole chunk."""
+    i = c * BCS + tl.arange(0, BCS)
+    inb = i < n_hi
+    k = _load_2d(KC, (cbos + i).to(tl.int64) * skt + g * skh, inb, DK, BDK)
+    if MASKED:
+        vis = tok_ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= tok[:, None])
+    psum = tl.zeros([BT, BCS], tl.float32)
+    for hh in range(H_PER_G):
+        head = g * H_PER_G + hh
+        q = _load_2d(Q, t * sqt + head * sqh, tok_ok, DK, BDK)
+        # rows past the sequence load lse = +inf: p = 0
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=tok_ok, other=float("inf")) * _LOG2E
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        if MASKED:
+            psum += tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)
+        else:
+            psum += tl.exp2(s - lse2[:, None])
+    blk = tl.dot(psum, ov, input_precision=PREC)                                     # [BT, BB]
+    jb = tl.arange(0, BB)
+    blk += tl.where(jb[None, :] == 0, carry[:, None], 0.0)
+    carry = tl.sum(psum * ov_next[None, :], 1)
+    j = c * BB + jb
+    causal = tok_ok[:, None] & (j[None, :] <= cur[:, None])
+    forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
+    bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
+    return _insert_top(top, tl.where(causal, key, NO_KEY)), carry
+
+
+@triton.jit
 def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
                        sqt, sqh, skt, skh, slt, slh, sit, sig, scale_log2,
                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
-                       H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                       H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr,
                        BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr):
     g = tl.program_id(1)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     t0 = tl.program_id(0) * BT
     if t0 < seq_len:
-        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
-        t = (bos + t_rel).to(tl.int64)
-        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
         tok = t0 + tl.arange(0, BT)                                   # the tile's tokens (rows of the scores)
         tok_ok = tok < seq_len
+        t = (bos + tok).to(tl.int64)
         cur = tok // BLOCK
         # overlap of the chunk's BCS spans with its BB blocks; the same for every chunk (chunks align to blocks)
         sp = tl.arange(0, BCS)
@@ -83,33 +117,24 @@ def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
         ov_next = (start + CMP_LEN > BB * BLOCK).to(tl.float32)     # runs into the next chunk's first block
         t_last = tl.minimum(t0 + BT, seq_len) - 1
         n_hi = tl.minimum(_n_cmp(t_last, CMP_LEN, CMP_STRIDE), n_seq)
+        c_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BCS     # chunks every token sees whole
         top = -1 - jb[None, :].to(tl.int64) + tl.zeros([BT, BB], tl.int64)   # empty slots: distinct, < 0
         carry = tl.zeros([BT], tl.float32)
-        for c in range(0, t_last // BLOCK // BB + 1):
-            i = c * BCS + sp
-            inb = i < n_hi
-            kc = (cbos + i).to(tl.int64)
-            k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
-            vis = _visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            p = tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)      # [rows, BCS]
-            per_head = tl.dot(p, ov, input_precision=PREC)                               # [rows, BB]
-            blk = tl.sum(tl.reshape(per_head, (BT, BH, BB)), 1)
-            blk += tl.where(jb[None, :] == 0, carry[:, None], 0.0)
-            carry = tl.sum(tl.reshape(tl.sum(p * ov_next[None, :], 1), (BT, BH)), 1)
-            j = c * BB + jb
-            causal = tok_ok[:, None] & (j[None, :] <= cur[:, None])
-            forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
-            bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
-            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
-            top = _insert_top(top, tl.where(causal, key, NO_KEY))
+        for c in range(0, c_full):
+            top, carry = _score_chunk(top, carry, Q, LSE, t, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC,
+                                      sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK,
+                                      BT, BB, BCS, BDK, PREC, False)
+        for c in range(c_full, t_last // BLOCK // BB + 1):
+            top, carry = _score_chunk(top, carry, Q, LSE, t, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC,
+                                      sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK,
+                                      BT, BB, BCS, BDK, PREC, True)
         # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending
         top = tl.sort(top, 1, descending=True)
         taken = (top >= 0) & (jb[None, :] < N_SEL)
         blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)
         blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
         blocks = tl.where(blocks == 0x7FFFFFFF, -1, blocks)
-        tl.store(IDX + (bos + tok).to(tl.int64)[:, None] * sit + g * sig + jb[None, :], blocks,
+        tl.store(IDX + t[:, None] * sit + g * sig + jb[None, :], blocks,
                  mask=tok_ok[:, None] & (jb[None, :] < N_SEL))
 
 
@@ -128,11 +153,18 @@ def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int)
 
 
 def launch_config(h: int, BDK: int, n_selected: int) -> dict:
-    """BT query tokens per program (× h heads = the rows of one dot, at least 16) and BB blocks per chunk."""
-    BH = triton.next_power_of_2(h)
-    BT = max(1, 64 // BH) if BH <= 64 else 1
-    # H100, 64k, h=16: 4 warps 16.7 ms at d_k=128 and 23.5 ms at 192 (8 warps: 17.8 and 64.7)
-    return {"BT": max(BT, 1), "BB": max(16, triton.next_power_of_2(n_selected)), "num_warps": 4, "num_stages": 2}
+    """BT query tokens per program (the rows of every dot, at least 16) and BB blocks per chunk
+    (at least n: the running top list holds BB).
+
+    From a sweep on the H100 at 64k, h=16, G=4, bf16 (BT × BB × warps × stages): d_k=128 BT 64 /
+    BB 32 / 4 warps / 3 stages 8.9 ms (2 stages 9.4; 8 warps: 12.9; BT 128: 10.1-10.9; BT 32: 13.4;
+    BB 16: 17.0-17.6; BB 64: 33.5); d_k=192
+    (padded to 256) BT 128 / 8 warps 15.7 ms (BT 64: 15.9 with 3 stages, 21.2 with 4 warps). The
+    kernel that mapped every head onto blocks before summing them took 15.4 and 21.5 ms."""
+    BB = max(32, triton.next_power_of_2(n_selected))
+    if BDK > 128:
+        return {"BT": 128, "BB": BB, "num_warps": 8, "num_stages": 2}
+    return {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3}
 
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_len: int, cmp_stride: int,
@@ -187,7 +219,7 @@ class _Launch(torch.autograd.Function):
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), scale * LOG2E,
             CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
-            BT=BT, BH=triton.next_power_of_2(h), BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
+            BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
             PREC=_precision(q.dtype), **lc)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
         ctx.mark_non_differentiable(out)

@@ -96,14 +96,25 @@ class NSAAttention(nn.Module):
         """The backend each prefill branch will use at this length, and why."""
         return routing.prefill_routes(self.policy, seq_len, cfg=self.cfg, device=device, dtype=dtype)
 
-    def mix(self, g, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D]."""
-        o = None
-        for i, br in enumerate(BRANCHES):          # one fused multiply-add per branch
-            if br in parts:
-                o = g[..., i:i + 1] * parts[br] if o is None else torch.addcmul(o, g[..., i:i + 1], parts[br])
-        o = torch.zeros_like(like) if o is None else o
-        B, S = o.shape[:2]
+    def mix(self, g, parts: dict[str, torch.Tensor], routes=None) -> torch.Tensor:
+        """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D];
+        one fused pass on the routed backend when all three branches ran, else a multiply-add per
+        branch (a zero output when none ran)."""
+        B, S = g.shape[:2]
+        d = (routes or {}).get("mix")
+        with routing.profiler_range("prefill", "mix"):
+            if d is not None and d.backend != "torch" and all(br in parts for br in BRANCHES):
+                impl, _ = routing.lookup("prefill", "mix", d.backend)
+                o = impl(g, *(parts[br] for br in BRANCHES))
+            else:
+                o = None
+                for i, br in enumerate(BRANCHES):          # one fused multiply-add per branch
+                    if br in parts:
+                        o = g[..., i:i + 1] * parts[br] if o is None else torch.addcmul(o, g[..., i:i + 1], parts[br])
+                if o is None:
+                    o = g.new_zeros(B, S, self.cfg.n_heads, self.cfg.d_v)
+                if d is not None:
+                    routing.note("prefill", "mix", "torch")
         return self.o_proj(o.reshape(B, S, -1))
 
     # -- prefill -------------------------------------------------------------------------
@@ -129,7 +140,7 @@ class NSAAttention(nn.Module):
             parts["sel"] = self.run_branch("sel", routes, q=q, k=k, v=v, idx=idx)
         if "win" in want:
             parts["win"] = self.run_branch("win", routes, q=q, k=k, v=v)
-        return self.mix(g, parts, q.new_zeros(B, S, cfg.n_heads, cfg.d_v))
+        return self.mix(g, parts, routes)
 
     def run_branch(self, branch: str, routes, *, with_lse: bool = False, **tensors):
         """One prefill branch on the backend ``routes`` (from ``routes()``) picked -> o [B, S, H, d_v];
@@ -191,8 +202,7 @@ class NSAAttention(nn.Module):
             with routing.profiler_range("decode", "step"):
                 outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
             cache.reads = {br: reads[br] for br in want}
-            return self.mix(g, {br: outs[br][:, None] for br in want},
-                             q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))
+            return self.mix(g, {br: outs[br][:, None] for br in want})
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
         parts, reads = {}, {}
         if "cmp" in want:
@@ -207,4 +217,4 @@ class NSAAttention(nn.Module):
             parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase="decode", want_used=True)
             reads["win"] = used[:, 0]
         cache.reads = reads
-        return self.mix(g, parts, q.new_zeros(x.shape[0], 1, cfg.n_heads, cfg.d_v))
+        return self.mix(g, parts)

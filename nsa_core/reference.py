@@ -181,6 +181,11 @@ def gates(x: torch.Tensor, w1, b1, w2, b2, cfg: NSAConfig) -> torch.Tensor:
     return g.view(*x.shape[:2], cfg.n_heads, 3)
 
 
+def mix(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
+    """The gated sum: g [..., H, 3] (cmp, sel, win) over o_* [..., H, d_v] -> [..., H, d_v]."""
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
+
+
 def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor | None = None,
             dtype: torch.dtype = torch.float32, with_scores: bool = False,
             params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -232,7 +237,7 @@ def forward(module, x: torch.Tensor, only: str | None = None, idx: torch.Tensor 
     g = gates(x, P["gate.fc1.weight"], P["gate.fc1.bias"], P["gate.fc2.weight"], P["gate.fc2.bias"], cfg)
     if only is not None:
         g = F.one_hot(torch.tensor(BRANCHES.index(only)), 3).to(g)[None, None, None, :].expand_as(g)
-    o = g[..., 0:1] * parts["o_cmp"] + g[..., 1:2] * parts["o_sel"] + g[..., 2:3] * parts["o_win"]
+    o = mix(g, parts["o_cmp"], parts["o_sel"], parts["o_win"])
     out = o.reshape(B, S, -1) @ P["o_proj.weight"].T
     extra = {"scores": torch.cat(scores, 1)} if with_scores else {}
     return {"out": out, "gate": g, "idx": torch.cat(idx_all, 1), **parts, **extra}

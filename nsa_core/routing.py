@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
 BRANCHES = ("cmp", "sel", "win")
-PREFILL_STAGES = (*BRANCHES, "select")      # the routed prefill work: the three branches and block selection
+PREFILL_STAGES = (*BRANCHES, "select", "mix")   # the routed prefill work: the branches, block selection, the gated mix
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class RoutingPolicy:
     sel_triton_min_len: int | None = None
     cmp_triton_min_len: int | None = None
     select_triton_min_len: int | None = None
+    mix_triton_min_len: int | None = None
     fa2_min_len_cmp: int | None = None
     fa2_min_len_win: int | None = None
     fa2_backend: str = "auto"          # auto | flash_attn | varlen
@@ -86,7 +87,7 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
     """The backend the policy picks for one branch at this length, and why: the first backend
     whose threshold is met and that can run here (Triton before FA-2), else torch."""
     candidates, notes = [], []
-    if phase == "prefill" and branch in ("sel", "cmp", "select"):
+    if phase == "prefill" and branch in ("sel", "cmp", "select", "mix"):
         thr = getattr(policy, f"{branch}_triton_min_len")
         if thr is not None and seq_len >= thr:
             candidates.append(("triton", f"S={seq_len} >= {branch}_triton_min_len={thr}"))

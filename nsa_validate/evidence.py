@@ -25,6 +25,7 @@ EXPECT = {
     "triton:cmp_fwd": r"^_cmp_fwd_kernel\b",
     "triton:cmp_bwd": r"^_cmp_(dq|dkdv)_kernel\b",
     "triton:select": r"^_score_topn_kernel\b",
+    "triton:mix": r"^_mix_(fwd|bwd)_kernel\b",
     # flash-attn's own build: flash::flash_fwd_kernel / flash_fwd_splitkv_kernel / flash_bwd_*;
     # PyTorch's bundled copy is pytorch_flash::..., which must not count as flash-attn
     "flash_attn": r"(?<![A-Za-z0-9_])flash::flash_(fwd|bwd)",
@@ -41,7 +42,8 @@ def family(phase: str, branch: str, backend: str) -> str | None:
         if phase == "decode":
             return "triton:decode"
         return {"sel_bwd": "triton:sel_bwd", "cmp": "triton:cmp_fwd", "cmp_fwd": "triton:cmp_fwd",
-                "cmp_bwd": "triton:cmp_bwd", "select": "triton:select"}.get(branch, "triton:sel_fwd")
+                "cmp_bwd": "triton:cmp_bwd", "select": "triton:select",
+                "mix": "triton:mix", "mix_fwd": "triton:mix", "mix_bwd": "triton:mix"}.get(branch, "triton:sel_fwd")
     if backend.startswith("fa2:"):
         name = backend.split(":", 1)[1]
         if name == "auto":

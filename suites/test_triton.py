@@ -522,16 +522,45 @@ MODULE = [pytest.param(dt, S, id=f"{dt}-S{S}") for dt in dict.fromkeys(["fp32", 
 BF16_LAYER_GRADS = "bf16 layer gradient: the bf16 oracle itself misses the rel-RMS bar (see lowp_rel_rms)"
 
 
+MIX_SHAPES = [pytest.param(dt, dv, R, id=f"{dt}-dv{dv}-rows{R}") for dt in CFG.dtypes
+              for dv in dict.fromkeys(dv for _, dv in CFG.head_dims) for R in (1, 333)]
+
+
+@pytest.mark.parametrize("dt,dv,R", MIX_SHAPES)
+def test_mix_fwd_bwd(dt, dv, R, record):
+    """The fused gated mix: o and the gradients of g and the three branch outputs vs the oracle's
+    ``reference.mix``, with row counts off the kernel's tile."""
+    dtype = DTYPES[dt]
+    _require(dtype)
+    from kernels import mix
+    gen = torch.Generator(device=DEV).manual_seed(R + dv)
+    g = torch.rand(R, 3, device=DEV, generator=gen).to(dtype)
+    parts = [torch.randn(R, dv, device=DEV, generator=gen).to(dtype) for _ in range(3)]
+    do = torch.randn(R, dv, device=DEV, generator=gen).to(dtype)
+    with record.capture() as log:
+        o = mix.mix_fwd(g, tuple(parts))
+        dg, dparts = mix.mix_bwd(do, g, tuple(parts))
+    record.expect_ran(log, "kernel", "mix_fwd", "triton")
+    record.expect_ran(log, "kernel", "mix_bwd", "triton")
+    o32, g32 = _with_grads(reference.mix, (g, *parts), do, torch.float32)
+    olp, glp = _with_grads(reference.mix, (g, *parts), do, dtype) if _lp(dtype) else (None, [None] * 4)
+    record.check("out", o, o32, olp, dtype=dtype)
+    for name, got, r32, rlp in zip(("dg", "do_cmp", "do_sel", "do_win"), (dg, *dparts), g32, glp):
+        record.check(name, got, r32, rlp, dtype=dtype)
+    record.assert_ok()
+
+
 @pytest.mark.parametrize("dt,S", MODULE)
 def test_module_fwd_bwd(dt, S, record):
-    """NSAAttention with the compressed branch, block selection and the selection branch routed to
-    the kernels: output, input and every parameter gradient vs the oracle's autograd (given the
-    module's own blocks); no NaN/Inf anywhere."""
+    """NSAAttention with the compressed branch, block selection, the selection branch and the gated
+    mix routed to the kernels: output, input and every parameter gradient vs the oracle's autograd
+    (given the module's own blocks); no NaN/Inf anywhere."""
     dtype = DTYPES[dt]
     _require(dtype)
     cfg = _module_cfg()
     torch.manual_seed(S)
-    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0)).to(DEV).to(dtype)
+    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
+                                       mix_triton_min_len=0)).to(DEV).to(dtype)
     x = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype).requires_grad_(True)
     for br, d in m.routes(S, x.device, dtype).items():
         assert br == "win" or d.backend == "triton", f"{br} was not routed to the kernel: {d.reason}"
@@ -547,6 +576,8 @@ def test_module_fwd_bwd(dt, S, record):
     record.expect_ran(log, "kernel", "sel_bwd", "triton")
     record.expect_ran(log, "prefill", "cmp", "triton")
     record.expect_ran(log, "kernel", "cmp_bwd", "triton")
+    record.expect_ran(log, "prefill", "mix", "triton")
+    record.expect_ran(log, "kernel", "mix_bwd", "triton")
 
     def oracle(dt_):
         xs = x.detach().to(dt_).requires_grad_(True)
@@ -678,17 +709,18 @@ def test_bench(S, record, extra):
 
 
 # -- routing the compressed branch and block selection: Triton vs the torch path (GPU) -------------
-ROUTE_TABLE = ("Triton compressed attention and block scoring + top-n vs the torch path the module takes "
-               "otherwise (module stages, bf16, B=1, H=64, G=4, d=128, paper blocks)")
-ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}}
+ROUTE_TABLE = ("Triton compressed attention, block scoring + top-n and gated mix vs the torch path the module "
+               "takes otherwise (module stages, bf16, B=1, H=64, G=4, d=128, paper blocks)")
+ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}, "mix": {}}
 
 
 @pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.route_seq_lens],
                                        "triton", "route_seq_lens", 1))
 def test_route_bench(S, record, extra):
     """Each routed stage of ``NSAAttention`` on both backends at one length: the compressed branch
-    forward+backward, and block selection (the Triton one including its lse pass, as when the
-    compressed branch runs elsewhere). Feeds ``route_recommendation``."""
+    forward+backward, block selection (the Triton one including its lse pass, as when the
+    compressed branch runs elsewhere) and the gated mix forward+backward (with the output
+    projection, as the module runs it). Feeds ``route_recommendation``."""
     dtype = torch.bfloat16
     _require_cmp(dtype)
     if DEV != "cuda":
@@ -700,23 +732,30 @@ def test_route_bench(S, record, extra):
     mk = lambda *s: torch.randn(*s, device=DEV, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
     q, kc, vc = mk(1, S, cfg.n_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_v)
     go = torch.randn(1, S, cfg.n_heads, cfg.d_v, device=DEV).to(dtype)
-    policies = {"torch": RoutingPolicy(), "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0)}
+    gate = torch.rand(1, S, cfg.n_heads, 3, device=DEV, generator=g).to(dtype).requires_grad_(True)
+    parts = {br: mk(1, S, cfg.n_heads, cfg.d_v) for br in routing.BRANCHES}
+    gm = torch.randn(1, S, cfg.d_model, device=DEV).to(dtype)
+    policies = {"torch": RoutingPolicy(),
+                "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0, mix_triton_min_len=0)}
     t, row = {}, {"S": S}
     for name, pol in policies.items():
         r = routing.prefill_routes(pol, S, cfg=cfg, device=torch.device(DEV), dtype=dtype)
         cmp_fb = lambda r=r: torch.autograd.grad(m.run_branch("cmp", r, q=q, k_cmp=kc, v_cmp=vc), (q, kc, vc), go)  # noqa: E731
         sel = lambda r=r: m.select_from(q.detach(), kc.detach(), r)  # noqa: E731
+        mix_fb = lambda r=r: torch.autograd.grad(m.mix(gate, parts, r), (gate, *parts.values()), gm)  # noqa: E731
         with record.capture() as log:
             cmp_fb()
             sel()
-        record.expect_ran(log, "prefill", "cmp", name)
-        record.expect_ran(log, "prefill", "select", name)
+            mix_fb()
+        for stage in ROUTE_SPEEDUPS:
+            record.expect_ran(log, "prefill", stage, name)
         t[f"cmp_fwdbwd_{name}"] = timing.bench(cmp_fb)
         t[f"select_{name}"] = timing.bench(sel)
+        t[f"mix_fwdbwd_{name}"] = timing.bench(mix_fb)
     for key, tm in t.items():
         record.timing(key, tm)
         row[f"{key} ms"] = _ms(tm)
-    for stage, key in (("cmp", "cmp_fwdbwd"), ("select", "select")):
+    for stage, key in (("cmp", "cmp_fwdbwd"), ("select", "select"), ("mix", "mix_fwdbwd")):
         ROUTE_SPEEDUPS[stage][S] = t[f"{key}_torch"].median_ms / t[f"{key}_triton"].median_ms
         row[f"{stage} speedup"] = round(ROUTE_SPEEDUPS[stage][S], 2)
     extra.row(ROUTE_TABLE, row)

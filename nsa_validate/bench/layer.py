@@ -288,7 +288,6 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
         parts = {"cmp": o_cmp,
                  "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
                  "win": m.run_branch("win", routes, q=q, k=k, v=v)}
-    like = q.new_zeros(*q.shape[:3], m.cfg.d_v)
     fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
@@ -296,7 +295,7 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
            "scoring + top-n": (lambda q, kc: m.select_from(q, kc, routes, lse=lse), (q, k_cmp)),
            "sel attention": (lambda q, k, v: m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx), (q, k, v)),
            "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v)),
-           "gate + mix": (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), like), (x, *parts.values()))}
+           "gate + mix": (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts.values()))}
     fwd, bwd = {}, {}
     for name, (fn, args) in fns.items():
         with torch.no_grad():
