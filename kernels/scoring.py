@@ -152,7 +152,7 @@ def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int)
     return None
 
 
-def launch_config(h: int, BDK: int, n_selected: int) -> dict:
+def launch_config(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> dict:
     """BT query tokens per program (the rows of every dot, at least 16) and BB blocks per chunk
     (at least n: the running top list holds BB).
 
@@ -162,6 +162,8 @@ def launch_config(h: int, BDK: int, n_selected: int) -> dict:
     (padded to 256) BT 128 / 8 warps 15.7 ms (BT 64: 15.9 with 3 stages, 21.2 with 4 warps). The
     kernel that mapped every head onto blocks before summing them took 15.4 and 21.5 ms."""
     BB = max(32, triton.next_power_of_2(n_selected))
+    if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
+        return {"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}
     if BDK > 128:
         return {"BT": 128, "BB": BB, "num_warps": 8, "num_stages": 2}
     return {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3}
@@ -212,7 +214,7 @@ class _Launch(torch.autograd.Function):
                 cmp_len, cmp_stride, block_size, n_selected):
         B, dk = cu_seqlens.numel() - 1, q.shape[2]
         BDK = _pow2(dk)
-        lc = launch_config(h, BDK, n_selected)
+        lc = launch_config(h, BDK, n_selected, q.element_size())
         BT, BB = lc.pop("BT"), lc.pop("BB")
         _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
             q, k_cmp, lse, cu_seqlens, cu_cmp, out,
