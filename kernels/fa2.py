@@ -29,7 +29,7 @@ import torch
 from nsa_core import routing
 from nsa_core.config import NSAConfig
 
-BACKENDS = ("flash_attn", "varlen")
+BACKENDS = routing.FA2_BACKENDS[1:]            # ("flash_attn", "varlen"); "auto" picks one
 
 
 # -- availability -------------------------------------------------------------------------

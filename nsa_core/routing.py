@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
 BRANCHES = ("cmp", "sel", "win")
+FA2_BACKENDS = ("auto", "flash_attn", "varlen")   # auto: flash-attn when it loads, else torch's varlen kernel
+DECODE_BACKENDS = ("torch", "triton")
 PREFILL_STAGES = (*BRANCHES, "select", "mix")   # the routed prefill work: the branches, block selection, the gated mix
 
 

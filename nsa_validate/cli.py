@@ -1,4 +1,4 @@
-"""``nsa-validate``: env, list, suite, oneshot, report, compare, baseline save, merge, profile suggest.
+"""``nsa-validate``: env, list, suite, oneshot, report, repair, compare, baseline save, merge, profile suggest.
 
 Machine output (``--json``) goes to stdout; tables and progress go to stderr (rich turns colour
 off when stderr is not a TTY or NO_COLOR is set). Exit codes: 0 pass, 1 a check failed or
@@ -6,7 +6,10 @@ errored, 2 bad usage or input, 3 environment broken, 130 interrupted.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import signal
 import sys
 import threading
@@ -22,11 +25,12 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rundir, thresholds
+from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rundir, safefs, thresholds
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import SuiteInterrupted, run_suite
-from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, verdict, write_json
+from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, verdict,
+                                 write_json)
 from suites import SUITES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -97,7 +101,7 @@ def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa
     if unknown:
         raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
     raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False,
-                          allowed=_allow_list(allow_skips)))
+                          allowed=_allow_list(allow_skips, strict)))
 
 
 @app.command("oneshot")
@@ -111,18 +115,23 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
-                          allowed=_allow_list(allow_skips), baseline=base, max_regression=max_regression,
+                          allowed=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
                           n_gpus=_gpu_count(gpus)))
 
 
-def _allow_list(path: Path | None) -> dict[str, str]:
+def _allow_list(path: Path | None, strict: bool) -> dict[str, str]:
     """The --allow-skips file: a mapping of suite name or 'suite/case' pattern to a non-empty reason."""
     if path is None:
         return {}
+    if not strict:
+        err.print("warning: --allow-skips only matters with --strict (without it a skip never fails the run)",
+                  highlight=False, markup=False, soft_wrap=True)
     if not path.is_file():
         raise UsageError(f"--allow-skips '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UsageError(f"--allow-skips '{path}' is not UTF-8 text") from None
     except yaml.YAMLError as e:
         raise UsageError(f"--allow-skips '{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -198,12 +207,16 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UsageError(f"--name '{name}': use letters, digits, '.', '_' and '-' only")
     res = _load_run(run_dir)
+    if out is not None and not str(out).strip():
+        raise UsageError("--out is empty; give the baseline file to write")
     path = out or (rundir.REPO_ROOT / "baselines" / f"{name}.json")
-    data = compare.save(res, run_dir, name, path, rundir.utc_stamp())
+    compare.check_target(path, run_dir, protected=(rundir.DEFAULT_OUT,))
+    data, kept = compare.save(res, run_dir, name, path)
     err.print(f"baseline '{name}' ({data['gpu']} {data['sm']}, profile {data['profile']}): {len(data['cases'])} cases, "
-              f"{len(data['timings'])} timings -> {path}")
+              f"{len(data['timings'])} timings -> {path}" + (f" (the previous one kept as {kept.name})" if kept else ""))
     if json_out:
-        print(json.dumps({"baseline": str(path), "gpu": data["gpu"], "sm": data["sm"], "profile": data["profile"]}))
+        print(json.dumps({"baseline": str(path), "backup": str(kept) if kept else None,
+                          "gpu": data["gpu"], "sm": data["sm"], "profile": data["profile"]}))
 
 
 @app.command("merge")
@@ -214,7 +227,7 @@ def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from
     folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
     data = fleet.summarise(runs)
     write_json(folder / "fleet.json", data)
-    (folder / "fleet.md").write_text(fleet.render(data))
+    safefs.atomic_write(folder / "fleet.md", fleet.render(data))
     err.print(f"fleet report of {len(runs)} runs: {folder / 'fleet.md'}")
     if json_out:
         print(json.dumps({"report": str(folder / "fleet.md"), "runs": len(runs)}))
@@ -224,6 +237,10 @@ def _load_run(run_dir: Path) -> dict:
     """results.json of a run folder, or a UsageError saying what is wrong with it."""
     res_path = run_dir / "results.json"
     if not res_path.is_file():
+        m = _manifest(run_dir, required=False)
+        if m is not None and m.get("status") == "running":
+            raise UsageError(f"'{run_dir}' is marked running (pid {m.get('pid')} on {m.get('host')}) and has no results "
+                             f"yet; if that process is gone: nsa-validate repair {run_dir}")
         raise UsageError(f"no results.json in '{run_dir}' (not a run folder, or the run never started)")
     try:
         return load_results(res_path)
@@ -248,25 +265,26 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
     if not suggest:
         raise UsageError(f"run '{run_dir}' has no routing recommendation (neither its fa2 nor its triton suite "
                          f"ran a bench: see its report)")
-    prof = profiles.load(res["manifest"]["profile"])
-    shipped = Path(prof.source)
-    stamp = rundir.utc_stamp()
+    source = res["manifest"].get("profile_source")
+    if not source or not Path(source).is_file():
+        raise UsageError(f"run '{run_dir}' used profile {res['manifest'].get('profile')!r} from "
+                         f"{source or 'an unrecorded file'}, which is not there any more; nothing to update")
+    target = Path(source)                  # the file the run used, never a shipped one that shares its name
     gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
     header = (f"# Suggested by `nsa-validate profile suggest` from run {run_dir.name} "
               f"({gpu.get('name', 'unknown GPU')}, {res['manifest'].get('started')}):\n"
               f"#   {', '.join(f'{k}={v}' for k, v in suggest.items())}\n")
-    text = thresholds.rewrite_routing(shipped.read_text(), suggest, header)
-    suggested = shipped.with_name(f"{shipped.stem}.suggested.yaml")
-    written = {}
-    if suggested.exists():       # keep what was there
-        suggested.rename(suggested.with_name(f"{suggested.name}.bak-{stamp}"))
-    suggested.write_text(text)
-    written["suggested"] = str(suggested)
+    try:
+        text = thresholds.rewrite_routing(target.read_text(encoding="utf-8"), suggest, header)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"profile {target}: {e}") from None
+    suggested = target.with_name(f"{target.stem}.suggested.yaml")
+    written = {"suggested": str(suggested)}
+    kept = safefs.replace_keeping_backup(suggested, text)      # an earlier suggestion is kept
+    if kept:
+        written["previous_suggestion"] = str(kept)
     if apply:
-        backup = shipped.with_name(f"{shipped.name}.bak-{stamp}")
-        backup.write_text(shipped.read_text())
-        shipped.write_text(text)
-        written.update(backup=str(backup), applied=str(shipped))
+        written.update(backup=str(safefs.replace_keeping_backup(target, text)), applied=str(target))
     err.print(f"suggested routing: {suggest}")
     for k, v in written.items():
         err.print(f"{k}: {v}")
@@ -276,21 +294,159 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
 
 @app.command("report")
 def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
-    """Re-render report.md of a run folder from its results.json."""
+    """Re-render report.md of a run folder from its results.json (a folder left running by a
+    process that vanished is repaired first: see ``repair``)."""
+    manifest = _manifest(run_dir, required=False)
+    if manifest is not None and manifest.get("status") == "running" and _stale(manifest):
+        err.print(f"run was left running ({_stale(manifest)}): marking it interrupted (process vanished)")
+        _repair(run_dir, manifest)
     res = _load_run(run_dir)
-    (run_dir / "report.md").write_text(report.render(res))
+    safefs.atomic_write(run_dir / "report.md", report.render(res))
     err.print(f"report: {run_dir / 'report.md'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+@app.command("repair")
+def repair_cmd(run_dir: Path = typer.Argument(..., help="a run folder marked running"),
+               force: bool = typer.Option(False, "--force", help="repair even when its process may still run "
+                                                                  "(a run started on another host)"),
+               json_out: bool = JsonOpt) -> None:
+    """Mark a run folder left 'running' by a process that vanished (killed, machine lost) as
+    interrupted, keeping every case its suites finished."""
+    manifest = _manifest(run_dir)
+    if manifest.get("status") != "running":
+        raise UsageError(f"'{run_dir}' is not marked running (status: {manifest.get('status')}); nothing to repair")
+    why = _stale(manifest)
+    if why is None and not force:
+        raise UsageError(f"'{run_dir}' may still be running (pid {manifest.get('pid')} on {manifest.get('host')}); "
+                         f"pass --force if it is not")
+    res = _repair(run_dir, manifest)
+    _show_verdict(res, run_dir)
+    if json_out:
+        print(json.dumps({"run_dir": str(run_dir), "status": res["manifest"]["status"], "verdict": res["verdict"]}))
+
+
+def _manifest(run_dir: Path, required: bool = True) -> dict | None:
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        if required:
+            raise UsageError(f"no manifest.json in '{run_dir}' (not a run folder)")
+        return None
+    try:
+        data = read_json(path)
+    except ValueError as e:
+        raise UsageError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a manifest (expected a JSON object)")
+    return data
+
+
+def _stale(manifest: dict) -> str | None:
+    """Why a folder marked running has no process behind it any more (None: it may still run)."""
+    import socket
+    pid, host = manifest.get("pid"), manifest.get("host")
+    if host and host != socket.gethostname():
+        return None                   # another machine's process: cannot tell from here
+    if not isinstance(pid, int):
+        return "no process recorded"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"process {pid} is gone"
+    except PermissionError:
+        return None
+    return None
+
+
+class _EnvRecord:
+    """An env report read back from env.json (what ``_finish`` needs of ``envcheck.EnvReport``)."""
+
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    def to_dict(self) -> dict:
+        return self.data
+
+
+def _repair(run_dir: Path, manifest: dict) -> dict:
+    """Results of a run whose process vanished, from the records its suites left."""
+    from nsa_validate.runner import read_records
+    from nsa_validate.schema import suite_status
+    status = "interrupted (process vanished)"
+    try:
+        env = read_json(run_dir / "env.json")
+    except (OSError, ValueError):
+        env = {"verdict": "unknown", "findings": [], "facts": {}}
+    try:
+        prof = profiles.load(manifest.get("profile_source") or manifest.get("profile") or "")
+    except UsageError:
+        prof = profiles.Profile(name=str(manifest.get("profile")))
+    results = {}
+    for name in manifest.get("suites") or []:
+        rec = run_dir / "suites" / f"{name}.records.jsonl"
+        if not rec.exists():
+            results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
+                                        cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
+            continue
+        _, cases = read_records(rec)
+        problem = f"process vanished; see logs/{name}.log"
+        cases.append(CaseRecord("suite-process", name, "error", problem))
+        extra_path = run_dir / "suites" / name / "extra.json"
+        try:
+            extra = read_json(extra_path) if extra_path.exists() else {}
+        except ValueError:
+            extra = {}
+        results[name] = SuiteResult(name, suite_status(cases, problem), 0.0, cases, reason=problem,
+                                    log=f"logs/{name}.log", extra=extra)
+    return _finish(run_dir, manifest, _EnvRecord(env), prof, results, bool(manifest.get("strict")), status,
+                   manifest.get("allowed_skips") or {})
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+class _Stop:
+    """The run's stop flag, set by SIGINT / SIGTERM / SIGHUP. Installed before the run folder
+    exists; a signal never raises inside the run (so no finished case is ever dropped): the suite
+    in flight sees the flag within a poll, kills its process and keeps what it finished, and the
+    run writes its folder marked interrupted. A second signal only hurries the first."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signals: list[str] = []
+        self._old: dict = {}
+
+    def __enter__(self) -> "_Stop":
+        for s in STOP_SIGNALS:
+            self._old[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals.append(signal.Signals(signum).name)
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
 
 
 def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
          allowed: dict[str, str] | None = None, baseline: dict | None = None,
          max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1) -> int:
+    with _Stop() as stop:
+        return _run_stoppable(stop, names, profile, out, strict, json_out, gate_env, allowed, baseline,
+                              max_regression, n_gpus)
+
+
+def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str | None, strict: bool,
+                   json_out: bool, gate_env: bool, allowed: dict[str, str] | None, baseline: dict | None,
+                   max_regression: float, n_gpus: int) -> int:
+    import socket
+
     import torch
 
     prof = profiles.load(profile) if profile else profiles.auto_profile()
@@ -307,23 +463,23 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
                 "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
                 "ended": None, "status": "running", "allowed_skips": allowed or {},
+                # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
+                "pid": os.getpid(), "host": socket.gethostname(),
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None}
     if prof.device == "cuda" and not gpu:
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
-    write_json(run_dir / "manifest.json", manifest)
-    err.print(f"run folder: {run_dir}")
-    write_json(run_dir / "env.json", rep.to_dict())
-    show_env(rep)
     results: dict[str, SuiteResult] = {}
     status = "complete"
-    stop = threading.Event()
     threads: list[threading.Thread] = []
-    old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        write_json(run_dir / "manifest.json", manifest)
+        err.print(f"run folder: {run_dir}")
+        write_json(run_dir / "env.json", rep.to_dict())
+        show_env(rep)
         if gate_env and rep.verdict == "broken":
             status = "env-broken"
             err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
-        else:
+        elif not stop.is_set():
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=False) as bar:
                 def work(queue: list[str], gpu_index: int | None) -> None:
@@ -347,23 +503,29 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
                         th.start()
                     while any(th.is_alive() for th in threads):
                         time.sleep(0.2)
-    except KeyboardInterrupt as e:
-        status = "interrupted"
-        if isinstance(e, SuiteInterrupted):    # the suite in flight: keep the cases it finished
+    except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
+        if isinstance(e, SuiteInterrupted):
             results[e.result.name] = e.result
-        stop.set()                 # each shard kills its suite process and returns
-        for th in threads:
+        stop.event.set()
+    except OSError as e:
+        _mark_failed(run_dir, manifest, e)
+        raise
+    if stop.is_set():
+        status = "interrupted"
+        for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
-        err.print("[yellow]interrupted[/]: writing what was finished")
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        for name in names:
-            if name not in results and status != "env-broken":
-                results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
-                                            cases=[CaseRecord("not-run", name, "skip", f"run {status}",
-                                                               placeholder=True)])
-        results = {n: results[n] for n in names if n in results}
+        err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
+                  f"writing what was finished")
+    for name in names:
+        if name not in results and status != "env-broken":
+            results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
+                                        cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
+    results = {n: results[n] for n in names if n in results}
+    try:
         res = _finish(run_dir, manifest, rep, prof, results, strict, status, allowed, baseline, max_regression)
+    except OSError as e:
+        _mark_failed(run_dir, manifest, e)
+        raise
     _show_verdict(res, run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(run_dir), "status": status, "verdict": res["verdict"],
@@ -377,6 +539,18 @@ def _run(names: list[str], profile: str | None, out: str | None, strict: bool, j
         return EXIT_ENV_BROKEN
     # partial (a suite executed no check) passes without --strict; under --strict verdict() blocked it
     return EXIT_OK if res["verdict"]["status"] in ("pass", "partial") else EXIT_FAIL
+
+
+def _mark_failed(run_dir: Path, manifest: dict, e: OSError) -> None:
+    """A write failed (a full disk, a folder made read-only): remove our temporary files and, when
+    the disk lets us, mark the folder ``error: <why>`` so no reader takes it for a running run."""
+    for tmp in run_dir.rglob("*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    why = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    manifest.update(ended=rundir.utc_now(), status=f"error: {why}")
+    with contextlib.suppress(OSError):
+        write_json(run_dir / "manifest.json", manifest)
 
 
 def _shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:
@@ -432,7 +606,7 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     write_json(run_dir / "routing.json", res["routing"])
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")
-    (run_dir / "report.md").write_text(report.render(res))
+    safefs.atomic_write(run_dir / "report.md", report.render(res))
     write_json(run_dir / "manifest.json", manifest)
     return res
 
@@ -455,20 +629,41 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
               highlight=False)
 
 
+def _os_error(e: OSError) -> str:
+    """One line for a failed file operation: what, where, and (for a full disk) what to do."""
+    where = f" '{e.filename}'" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"disk full writing{where}: free space and run again (the run folder, if any, is marked 'error: disk full')"
+    if e.errno == errno.ENAMETOOLONG:
+        return f"path{where} is too long for this file system"
+    return f"{e.strerror or e}{where}"
+
+
+def _exit_with_error(msg: str, code: int) -> None:
+    """One line on stderr (never wrapped: CI logs are not terminals) and, under --json, the same on stdout."""
+    if msg:
+        err.print(f"error: {msg}", highlight=False, markup=False, soft_wrap=True)
+    if "--json" in sys.argv[1:]:
+        print(json.dumps({"error": msg or "usage", "exit_code": code}))
+    sys.exit(code)
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)
     except UsageError as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
-        sys.exit(EXIT_USAGE)
+        _exit_with_error(str(e), EXIT_USAGE)
+    except OSError as e:
+        _exit_with_error(_os_error(e), EXIT_USAGE)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
         # click's (or typer's vendored click's) usage errors and Abort, matched by shape
         if getattr(e, "exit_code", None) == 2 and hasattr(e, "format_message"):
-            err.print(f"error: {e.format_message()}", highlight=False, markup=False)
-            sys.exit(EXIT_USAGE)
+            # a bare group (`nsa-validate`, `baseline`, `profile`) has shown its help: no empty error line
+            msg = "" if type(e).__name__ == "NoArgsIsHelpError" else e.format_message()
+            _exit_with_error(msg, EXIT_USAGE)
         if type(e).__name__ == "Abort":
             err.print("interrupted")
             sys.exit(EXIT_INTERRUPTED)

@@ -25,8 +25,10 @@ import json
 import math
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import load_results
+from nsa_validate.schema import first_error, load_results, read_json
 
 BASELINE_VERSION = 2
 DEFAULT_MAX_REGRESSION_PCT = 10.0
@@ -103,23 +105,67 @@ def load(path: Path) -> dict:
             return from_results(load_results(path / "results.json"), str(path))
         if not path.is_file():
             raise UsageError(f"baseline '{path}' does not exist")
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (ValueError, KeyError) as e:
         raise UsageError(f"baseline '{path}' is unreadable ({e})") from None
-    if data.get("baseline_version") not in (1, BASELINE_VERSION):    # v1 lacks suites/versions: all compared
-        raise UsageError(f"'{path}' is not a baseline file of version {BASELINE_VERSION} "
-                         f"(baseline_version: {data.get('baseline_version')})")
+    if not isinstance(data, dict) or data.get("baseline_version") not in (1, BASELINE_VERSION):
+        # v1 lacks suites/versions: all compared
+        raise UsageError(f"'{path}' is not a baseline file of version {BASELINE_VERSION} (baseline_version: "
+                         f"{data.get('baseline_version') if isinstance(data, dict) else 'none'})")
+    try:
+        _BaselineIn.model_validate(data)
+    except ValidationError as e:
+        raise UsageError(f"baseline '{path}' is malformed ({first_error(e)})") from None
     return data
 
 
-def save(res: dict, run_dir: Path, name: str, path: Path, stamp: str) -> dict:
-    """Write the baseline of a run to ``path``; an existing file there is kept as ``.bak-<stamp>``."""
+class _Timing(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+class _BaselineIn(BaseModel):
+    """What ``compare`` reads of a baseline file."""
+    model_config = ConfigDict(extra="allow")
+    gpu: str
+    sm: str
+    profile: str | None
+    cases: dict[str, str]
+    timings: dict[str, _Timing]
+
+
+def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) -> None:
+    """Refuse a baseline target that could destroy anything: a folder, a path in (or equal to) a
+    run folder or one of the ``protected`` roots (the artifacts folder), or an existing file that is
+    not a baseline file."""
+    p = Path(path).expanduser().resolve()
+    if p.is_dir():
+        raise UsageError(f"--out '{path}' is a folder; give the baseline file to write (e.g. baselines/NAME.json)")
+    for anc in (p, *p.parents):
+        if (anc / "manifest.json").is_file() or (anc / "results.json").is_file():
+            raise UsageError(f"--out '{path}' is inside the run folder '{anc}'; a baseline never writes into a run")
+    for root in (Path(run_dir).resolve(), *(Path(r).resolve() for r in protected)):
+        if p == root or root in p.parents:
+            raise UsageError(f"--out '{path}' is inside '{root}' (run folders live there); write the baseline elsewhere")
+    if p.exists():
+        try:
+            is_baseline = "baseline_version" in json.loads(p.read_text(encoding="utf-8"))
+        except (ValueError, TypeError, OSError):
+            is_baseline = False
+        if not is_baseline:
+            raise UsageError(f"--out '{path}' exists and is not a baseline file; it is left alone")
+
+
+def save(res: dict, run_dir: Path, name: str, path: Path) -> tuple[dict, Path | None]:
+    """Write the baseline of a run to ``path`` atomically; an existing baseline there is first
+    copied to a unique ``.bak-<time>`` (returned, else None). Check the target with ``check_target``."""
+    from nsa_validate import safefs
     data = from_results(res, str(run_dir), name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.rename(path.with_name(f"{path.name}.bak-{stamp}"))
-    path.write_text(json.dumps(data, indent=1))
-    return data
+    kept = safefs.replace_keeping_backup(path, json.dumps(data, indent=1))
+    return data, kept
 
 
 def check_same_machine(run: dict, base: dict) -> None:

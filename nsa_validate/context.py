@@ -21,6 +21,7 @@ class RunContext:
     out_dir: str = ""                 # where a suite may write CSVs and plots ("" = don't)
     strict: bool = False
     gpu_index: int | None = None      # `oneshot --gpus`: the local GPU this suite runs on
+    parent_pid: int | None = None     # the nsa-validate process: the suite process dies with it
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -155,7 +155,26 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
     path = config.getoption("--nsa-context")
     if path:
-        context.set_current(RunContext.load(path))
+        ctx = RunContext.load(path)
+        context.set_current(ctx)
+        if ctx.parent_pid:
+            _watch_parent(ctx.parent_pid)
+
+
+def _watch_parent(pid: int) -> None:
+    """Kill this suite's process group once the nsa-validate process that started it is gone
+    (SIGKILL or SIGHUP of the parent: nothing else would stop a suite holding the GPU until its
+    timeout). The runner also asks Linux for this (PR_SET_PDEATHSIG); this covers the rest."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    threading.Thread(target=watch, name="nsa-parent-watch", daemon=True).start()
 
 
 @pytest.fixture(scope="session")

@@ -26,14 +26,25 @@ def git_info(root: Path = REPO_ROOT) -> dict:
     return {"commit": sha, "short": sha[:7] if sha else "nogit", "dirty": dirty}
 
 
+SYSTEM_DIRS = tuple(Path(p) for p in ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys",
+                                         "/usr"))
+PACKAGE_DIRS = tuple(REPO_ROOT / d for d in ("nsa_validate", "nsa_core", "kernels", "suites", "profiles", ".git"))
+
+
 def check_out(out: str | None) -> Path:
-    """Validate ``--out``: no '..' components, a directory we can create and write in."""
+    """Validate ``--out``: not empty, not a system location or a folder of the package itself, a
+    directory we can create and write in (relative paths, '..' included, are fine)."""
     if out is None:
         root = DEFAULT_OUT
     else:
-        if ".." in Path(out).parts:
-            raise UsageError(f"--out '{out}' contains '..' (path traversal is refused)")
+        if not str(out).strip():
+            raise UsageError("--out is empty; give the folder to put run folders in")
         root = Path(out).expanduser()
+        real = root.resolve()
+        if real == Path("/") or any(real == d or d in real.parents for d in SYSTEM_DIRS):
+            raise UsageError(f"--out '{out}' is a system location ({real}); choose a folder of your own")
+        if any(real == d or d in real.parents for d in PACKAGE_DIRS):
+            raise UsageError(f"--out '{out}' is inside the tool's own code ({real}); choose another folder")
     if root.exists() and not root.is_dir():
         raise UsageError(f"--out '{root}' exists and is not a directory")
     try:

@@ -34,7 +34,27 @@ def suite_env(ctx: RunContext) -> dict:
     return env
 
 
-def _read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
+def _die_with_parent(parent: int):
+    """preexec_fn of a suite process: on Linux, SIGKILL it when the process that started it dies
+    (PR_SET_PDEATHSIG); if that parent is already gone, exit at once."""
+    libc = _LIBC
+
+    def pre() -> None:
+        if libc is not None:
+            libc.prctl(1, signal.SIGKILL)          # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return pre
+
+
+try:                          # loaded before any fork: a preexec_fn must not import
+    import ctypes
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
+def read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
     collected, cases = None, []
     if not path.exists():
         return None, []
@@ -65,6 +85,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     rec_path = run_dir / "suites" / f"{suite.name}.records.jsonl"
     log_path = run_dir / "logs" / f"{suite.name}.log"
     ctx.out_dir = str(run_dir / "suites" / suite.name)
+    ctx.parent_pid = os.getpid()
     Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
     ctx.save(ctx_path)
     cmd = [sys.executable, "-m", "pytest", str(path_of(suite)), "-q", "-rfEs", "-p", "no:cacheprovider",
@@ -76,13 +97,13 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         problem = ""
         interrupted = False
         try:
             while proc.poll() is None:
                 time.sleep(0.3)
-                total, done = _read_records(rec_path)
+                total, done = read_records(rec_path)
                 on_progress(len(done), total)
                 if time.monotonic() - t0 > timeout:
                     problem = f"timed out after {timeout}s"
@@ -97,7 +118,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     rc = proc.returncode
-    total, cases = _read_records(rec_path)
+    total, cases = read_records(rec_path)
     if not problem:
         if rc is not None and rc < 0:
             problem = f"process killed by signal {signal.Signals(-rc).name}"

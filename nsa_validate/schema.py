@@ -13,6 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 SCHEMA_VERSION = 1
 STATUSES = ("pass", "fail", "skip", "error")
 
@@ -156,13 +158,62 @@ def _clean(o):
 
 
 def write_json(path: Path, data) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2, sort_keys=False, default=str))
-    tmp.replace(path)
+    """Atomically (``safefs.atomic_write``): a reader or a crash sees the old file or the new one."""
+    from nsa_validate.safefs import atomic_write
+    atomic_write(path, json.dumps(_clean(data), indent=2, sort_keys=False, default=str))
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _CaseIn(_Open):
+    id: str
+    status: str
+
+
+class _SuiteIn(_Open):
+    status: str
+    cases: list[_CaseIn]
+
+
+class _VerdictIn(_Open):
+    status: str
+
+
+class _ResultsIn(_Open):
+    """The structure every reader of results.json relies on (more fields are allowed)."""
+    schema_version: int
+    manifest: dict
+    suites: dict[str, _SuiteIn]
+    verdict: _VerdictIn
+
+
+def first_error(e: ValidationError) -> str:
+    """One line from a pydantic error: where, and what is wrong."""
+    x = e.errors()[0]
+    return f"{'.'.join(str(p) for p in x['loc']) or 'top level'}: {x['msg']}"
+
+
+def read_json(path: Path):
+    """A JSON file's content; ValueError (one line) when it is not UTF-8 or not JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at line {e.lineno})") from None
 
 
 def load_results(path: Path) -> dict:
-    data = json.loads(Path(path).read_text())
+    """results.json, checked for the structure readers need; ValueError (one line) otherwise."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"results schema version {data.get('schema_version')} != {SCHEMA_VERSION}")
+    try:
+        _ResultsIn.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(first_error(e)) from None
     return data

@@ -29,7 +29,9 @@ def pick_backend(thresholds: dict[str, int | None]) -> tuple[str | None, int | N
 
 
 def rewrite_routing(text: str, values: dict[str, object], header: str) -> str:
-    """The profile YAML ``text`` with each ``routing`` key in ``values`` set (comments kept)."""
+    """The profile YAML ``text`` with each ``routing`` key in ``values`` set (comments kept);
+    ``values`` pass ``check_suggestion`` first."""
+    check_suggestion(values)
     for key, val in values.items():
         yaml_val = "null" if val is None else str(val)
         pat = re.compile(rf"^(\s*{re.escape(key)}:\s*)([^#\n]*?)(\s*(#.*)?)$", re.M)
@@ -37,3 +39,23 @@ def rewrite_routing(text: str, values: dict[str, object], header: str) -> str:
             raise ValueError(f"profile has no '{key}' line to update")
         text = pat.sub(lambda m: f"{m.group(1)}{yaml_val}{m.group(3) or ''}", text, count=1)
     return header + text
+
+
+def check_suggestion(values: dict[str, object]) -> None:
+    """A suggestion may only set routing thresholds (an int >= 0, or None) and ``fa2_backend`` (a
+    known name): anything else, e.g. text that would inject YAML, is refused (ValueError)."""
+    import dataclasses
+
+    from nsa_core.routing import FA2_BACKENDS, RoutingPolicy
+    fields = {f.name for f in dataclasses.fields(RoutingPolicy)}
+    for key, val in values.items():
+        if key not in fields:
+            raise ValueError(f"suggestion names no routing field: {key!r}")
+        if key == "fa2_backend":
+            if val not in FA2_BACKENDS:
+                raise ValueError(f"suggested fa2_backend {val!r} is not one of {', '.join(FA2_BACKENDS)}")
+        elif "_min_len" in key:
+            if val is not None and (type(val) is not int or val < 0):
+                raise ValueError(f"suggested {key} must be a length >= 0 or null, not {val!r}")
+        else:
+            raise ValueError(f"suggestion may not set {key!r}")

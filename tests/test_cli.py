@@ -41,7 +41,8 @@ def test_env_json_on_stdout_tables_on_stderr():
 @pytest.mark.parametrize("args,needle", [
     (["suite", "nosuch"], "unknown suite 'nosuch'"),
     (["suite", "sanity", "--profile", "sm999"], "profile 'sm999' not found"),
-    (["suite", "sanity", "--out", "../../escape"], "path traversal"),
+    (["suite", "sanity", "--out", "/proc/nsa"], "system location"),
+    (["suite", "sanity", "--out", ""], "--out is empty"),
     (["report", "/nonexistent/run"], "no results.json"),
     (["oneshot", "--frobnicate"], "No such option"),
 ])

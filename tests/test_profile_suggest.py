@@ -18,8 +18,9 @@ def _run(tmp_path, suggest, triton=None):
     if triton:
         suites["triton"] = {"status": "pass", "cases": [], "extra": {"suggest": triton}}
     (run / "results.json").write_text(json.dumps({
-        "schema_version": 1, "manifest": {"profile": str(prof), "started": "2026-11-21T00:00:00+00:00"},
-        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": suites}))
+        "schema_version": 1, "manifest": {"profile": "sm90", "profile_source": str(prof),
+                                          "started": "2026-11-21T00:00:00+00:00"},
+        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": suites, "verdict": {"status": "pass"}}))
     return prof, run
 
 

@@ -1,0 +1,390 @@
+"""Hostile input and faults, as a new user meets them: bad input is one line and exit 2; nothing the
+user had (runs, profiles, baselines) is lost; an interrupted or killed run leaves a valid folder
+marked for what happened. Signals and orphans use real processes; a full disk is simulated."""
+import errno
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_cli import REPO, cli
+from test_compare import make_run
+
+from nsa_validate import rundir
+from nsa_validate.errors import UsageError
+
+PROFILE_SM90 = REPO / "profiles" / "sm90.yaml"
+
+
+def one_line_exit_2(r, needle: str = "") -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0], lines[0]
+
+
+def digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def tree(p: Path) -> dict:
+    return {str(f.relative_to(p)): digest(f) for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+# -- 1. baseline save never writes into runs ---------------------------------------------
+@pytest.mark.parametrize("target", ["results", "run", "inside-run", "artifacts", "not-a-baseline", "folder"])
+def test_baseline_out_never_touches_a_run(tmp_path, target):
+    run = make_run(tmp_path, "run")
+    (tmp_path / "other.txt").write_text("keep me")
+    (tmp_path / "dir").mkdir()
+    out = {"results": run / "results.json", "run": run, "inside-run": run / "sub" / "b.json",
+           "artifacts": rundir.DEFAULT_OUT / "b.json", "not-a-baseline": tmp_path / "other.txt",
+           "folder": tmp_path / "dir"}[target]
+    before, art_before = tree(tmp_path), rundir.DEFAULT_OUT.exists() and tree(rundir.DEFAULT_OUT)
+    r = cli("baseline", "save", str(run), "--name", "x", "--out", str(out))
+    one_line_exit_2(r)
+    assert tree(tmp_path) == before
+    assert (rundir.DEFAULT_OUT.exists() and tree(rundir.DEFAULT_OUT)) == art_before
+    assert cli("report", str(run)).returncode == 0
+
+
+# -- 2. concurrent writers keep every earlier file -----------------------------------------
+def test_concurrent_baseline_saves_lose_nothing(tmp_path):
+    runs = [make_run(tmp_path, f"r{i}", seed=i) for i in range(4)]
+    f = tmp_path / "bl" / "b.json"
+    assert cli("baseline", "save", str(runs[0]), "--name", "b", "--out", str(f)).returncode == 0
+    env = dict(os.environ, NO_COLOR="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "nsa_validate", "baseline", "save", str(r), "--name", "b",
+                               "--out", str(f)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in runs[1:]]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    kept = [json.loads(x.read_text())["source"] for x in f.parent.glob("b.json.bak-*")]
+    now = json.loads(f.read_text())["source"]
+    assert sorted(kept + [now]) == sorted(str(r) for r in runs)      # four saves: the last + three backups
+    assert not list(f.parent.glob("*.tmp")) and not list(f.parent.glob(".b.json.*.tmp"))
+
+
+def _suggest_run(tmp_path: Path, prof: Path, name: str, suggest: dict) -> Path:
+    run = tmp_path / f"run-{name}"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({
+        "schema_version": 1, "manifest": {"profile": prof.stem, "profile_source": str(prof),
+                                          "started": "2026-11-22T00:00:00+00:00"},
+        "env": {"facts": {}}, "verdict": {"status": "pass"},
+        "suites": {"fa2": {"status": "pass", "cases": [], "extra": {"suggest": suggest}}}}))
+    return run
+
+
+def test_concurrent_profile_apply_keeps_the_original(tmp_path):
+    prof = tmp_path / "p" / "sm90.yaml"
+    prof.parent.mkdir()
+    prof.write_text(PROFILE_SM90.read_text())
+    original = digest(prof)
+    runs = [_suggest_run(tmp_path, prof, str(i), {"fa2_min_len_cmp": 1000 * (i + 1)}) for i in range(3)]
+    env = dict(os.environ, NO_COLOR="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "nsa_validate", "profile", "suggest", str(r), "--apply"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in runs]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    backups = list(prof.parent.glob("sm90.yaml.bak-*"))
+    assert len(backups) == 3 and original in {digest(b) for b in backups}
+    yaml.safe_load(prof.read_text())                                   # still a valid profile
+
+
+# -- 3. profile suggest rewrites the file the run used, and only values ----------------------
+def test_suggest_apply_uses_the_runs_own_profile_file(tmp_path):
+    shipped = REPO / "profiles" / "cpu.yaml"
+    shipped_before = digest(shipped)
+    custom = tmp_path / "cpu.yaml"                    # a custom profile that shares a shipped name
+    custom.write_text(shipped.read_text())
+    run = _suggest_run(tmp_path, custom, "c", {"fa2_min_len_cmp": 2048})
+    r = cli("profile", "suggest", str(run), "--apply")
+    assert r.returncode == 0, r.stderr
+    assert digest(shipped) == shipped_before
+    assert yaml.safe_load(custom.read_text())["routing"]["fa2_min_len_cmp"] == 2048
+    assert not (REPO / "profiles" / "cpu.suggested.yaml").exists()
+
+
+@pytest.mark.parametrize("value", ["1\nexpect: {peak_tflops: 1}", "null # x", -5, 3.5])
+def test_a_suggested_value_cannot_inject_yaml(tmp_path, value):
+    prof = tmp_path / "sm90.yaml"
+    prof.write_text(PROFILE_SM90.read_text())
+    before = tree(tmp_path)
+    run = _suggest_run(tmp_path, prof, "i", {"fa2_min_len_cmp": value})
+    r = cli("profile", "suggest", str(run), "--apply")
+    one_line_exit_2(r, "fa2_min_len_cmp")
+    assert {k: v for k, v in tree(tmp_path).items() if not k.startswith("run-")} == before
+
+
+def test_missing_profile_source_is_refused(tmp_path):
+    run = _suggest_run(tmp_path, tmp_path / "gone.yaml", "g", {"fa2_min_len_cmp": 2048})
+    one_line_exit_2(cli("profile", "suggest", str(run)), "not there any more")
+
+
+# -- 4, 5. signals and orphans (real processes) ---------------------------------------------
+def _start(tmp_path: Path, *extra) -> subprocess.Popen:
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu",
+                             "--out", str(tmp_path / "runs"), *extra], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout=240.0, step=0.01):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError("timed out waiting")
+
+
+def _run_dir(tmp_path: Path) -> Path | None:
+    found = [p for p in (tmp_path / "runs").glob("*/*") if (p / "manifest.json").exists()]
+    return found[0] if found else None
+
+
+def _records(run: Path) -> list[str]:
+    p = run / "suites" / "sanity.records.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(x)["id"] for x in p.read_text().splitlines() if x.strip() and '"id"' in x]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                        # a zombie is dead
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the suite process")
+def test_sigkill_of_the_top_process_kills_the_suite_and_report_repairs(tmp_path):
+    p = _start(tmp_path)
+    run = _wait_for(lambda: _run_dir(tmp_path))
+    _wait_for(lambda: len(_records(run)) >= 1)
+    kids = _children(p.pid)
+    assert kids, "no suite process found"
+    p.kill()
+    p.wait()
+    _wait_for(lambda: not any(_alive(k) for k in kids), timeout=15)        # the suite died with its parent
+    done = _records(run)
+    r = cli("report", str(run), "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((run / "results.json").read_text())
+    assert res["manifest"]["status"] == "interrupted (process vanished)"
+    ids = {c["id"] for c in res["suites"]["sanity"]["cases"]}
+    assert set(done) <= ids and res["verdict"]["status"] == "fail"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_right_after_the_folder_appears_leaves_it_interrupted(tmp_path, sig):
+    p = _start(tmp_path)
+    run = _wait_for(lambda: _run_dir(tmp_path), step=0.002)
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    res = json.loads((run / "results.json").read_text())
+    assert res["manifest"]["status"] == "interrupted" and "Traceback" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+def test_two_quick_sigints_keep_the_finished_cases(tmp_path):
+    p = _start(tmp_path)
+    run = _wait_for(lambda: _run_dir(tmp_path))
+    _wait_for(lambda: len(_records(run)) >= 2)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.03)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    done = _records(run)
+    res = json.loads((run / "results.json").read_text())
+    cases = {c["id"]: c["status"] for c in res["suites"]["sanity"]["cases"]}
+    assert set(done) <= set(cases) and "not-run" not in cases
+    assert res["manifest"]["status"] == "interrupted"
+
+
+def test_repair_refuses_a_live_or_finished_run(tmp_path):
+    run = make_run(tmp_path, "done")
+    (run / "manifest.json").write_text(json.dumps({"status": "complete", "suites": []}))
+    one_line_exit_2(cli("repair", str(run)), "not marked running")
+    (run / "manifest.json").write_text(json.dumps({"status": "running", "pid": os.getpid(),
+                                                   "host": os.uname().nodename, "suites": []}))
+    one_line_exit_2(cli("repair", str(run)), "may still be running")
+
+
+# -- 6. malformed files, unwritable places, a full disk ----------------------------------------
+BAD_RESULTS = {"list": [], "null": None, "object": {}, "no-verdict": "verdict", "no-suites": "suites",
+               "cases-not-list": "cases", "not-json": "{", "not-utf8": b"\xff\xfe{"}
+
+
+def _bad_results(tmp_path: Path, kind: str) -> Path:
+    run = make_run(tmp_path, f"bad-{kind}")
+    res = json.loads((run / "results.json").read_text())
+    v = BAD_RESULTS[kind]
+    if isinstance(v, bytes):
+        (run / "results.json").write_bytes(v)
+        return run
+    if kind in ("no-verdict", "no-suites"):
+        del res[v]
+    elif kind == "cases-not-list":
+        res["suites"]["decode"]["cases"] = 3
+    else:
+        res = v
+    (run / "results.json").write_text(res if isinstance(res, str) else json.dumps(res))
+    return run
+
+
+@pytest.mark.parametrize("kind", list(BAD_RESULTS))
+def test_malformed_results_are_one_line(tmp_path, kind):
+    bad = _bad_results(tmp_path, kind)
+    good = make_run(tmp_path, "good")
+    for args in (["report", str(bad)], ["compare", str(bad), "--baseline", str(good)],
+                 ["compare", str(good), "--baseline", str(bad)], ["merge", str(bad), "--out", str(tmp_path / "m")],
+                 ["baseline", "save", str(bad), "--name", "x", "--out", str(tmp_path / "x.json")]):
+        one_line_exit_2(cli(*args))
+
+
+def test_oneshot_with_a_malformed_baseline_stops_before_running(tmp_path):
+    bad = _bad_results(tmp_path, "no-suites")
+    r = cli("oneshot", "--baseline", str(bad), "--out", str(tmp_path / "runs"))
+    one_line_exit_2(r)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*/*"))
+
+
+@pytest.mark.parametrize("what", ["profile", "allow-skips"])
+def test_non_utf8_files_are_one_line(tmp_path, what):
+    f = tmp_path / ("p.yaml" if what == "profile" else "allow.yaml")
+    f.write_bytes(b"name: \xff\xfe\n")
+    args = ["--profile", str(f)] if what == "profile" else ["--strict", "--allow-skips", str(f)]
+    one_line_exit_2(cli("suite", "sanity", *args, "--out", str(tmp_path / "o")), "UTF-8")
+
+
+def test_long_path_components_are_one_line(tmp_path):
+    run = make_run(tmp_path, "run")
+    long = "x" * 300
+    one_line_exit_2(cli("suite", "sanity", "--out", str(tmp_path / long)))
+    one_line_exit_2(cli("baseline", "save", str(run), "--name", "x", "--out", str(tmp_path / f"{long}.json")),
+                    "too long")
+    one_line_exit_2(cli("report", str(tmp_path / long)))
+
+
+def test_unwritable_places_are_one_line(tmp_path):
+    run = make_run(tmp_path, "run")
+    (tmp_path / "afile").write_text("")
+    one_line_exit_2(cli("baseline", "save", str(run), "--name", "x", "--out", str(tmp_path / "afile" / "x.json")))
+    (run / "report.md").mkdir()                                     # report.md cannot be replaced
+    one_line_exit_2(cli("report", str(run)))
+    assert json.loads((run / "results.json").read_text())["schema_version"] == 1
+
+
+def test_a_full_disk_marks_the_folder_and_leaves_no_temp_files(tmp_path, monkeypatch):
+    """ENOSPC while writing results.json: one line, exit 2, the folder marked 'error: disk full'."""
+    from nsa_validate import cli as nv
+    from nsa_validate import safefs
+    real = safefs.atomic_write
+
+    def full(path, text):
+        if Path(path).name == "results.json":
+            tmp = Path(path).with_name("results.json.partial.tmp")
+            tmp.write_text(text[:10])                     # what a full disk leaves behind
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+    monkeypatch.setattr(safefs, "atomic_write", full)
+    monkeypatch.setattr(sys, "argv", ["nsa-validate", "suite", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        try:
+            nv._run([], "cpu", str(tmp_path), False, False, gate_env=False)
+        except OSError as err:
+            nv._exit_with_error(nv._os_error(err), 2)
+    assert e.value.code == 2
+    run = next(p for p in tmp_path.glob("*/*") if p.is_dir())
+    assert json.loads((run / "manifest.json").read_text())["status"] == "error: disk full"
+    assert not list(run.rglob("*.tmp"))
+
+
+# -- 7. profiles are range-checked -------------------------------------------------------------
+@pytest.mark.parametrize("path,value,field", [
+    ("suites.sanity.batch", 0, "suites.sanity.batch"),
+    ("suites.sanity.seq_len", -3, "suites.sanity.seq_len"),
+    ("suites.timeout_s.sanity", -1, "suites.timeout_s.sanity"),
+    ("suites.sanity.dtypes", ["fp8"], "suites.sanity.dtypes[0]"),
+    ("suites.triton.head_dims", [[0, 128]], "suites.triton.head_dims[0]"),
+    ("routing.fa2_backend", "fast", "routing.fa2_backend"),
+    ("routing.decode_backend", "cuda", "routing.decode_backend"),
+    ("routing.sel_triton_min_len", -1, "routing.sel_triton_min_len"),
+    ("suites.decode.batches", [0], "suites.decode.batches[0]"),
+    ("suites.layer.shapes", [[1, 0]], "suites.layer.shapes[0]"),
+])
+def test_out_of_range_profile_values_are_bad_input(tmp_path, path, value, field):
+    from nsa_validate import profiles
+    data = yaml.safe_load((REPO / "profiles" / "cpu.yaml").read_text())
+    node = data
+    *parents, leaf = path.split(".")
+    for k in parents:
+        node = node[k]
+    node[leaf] = value
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(UsageError, match=re.escape(f"'{field}'")):
+        profiles.load(str(f))
+    if path == "suites.sanity.batch":                  # and through the CLI, as users meet it
+        one_line_exit_2(cli("suite", "sanity", "--profile", str(f), "--out", str(tmp_path / "o")), field)
+
+
+# -- 8. the smaller ones ----------------------------------------------------------------------
+def test_relative_out_with_dotdot_is_fine(tmp_path, monkeypatch):
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    assert rundir.check_out("../runs").resolve() == (tmp_path / "a" / "runs").resolve()
+    with pytest.raises(UsageError, match="system location"):
+        rundir.check_out("/etc/nsa")
+    with pytest.raises(UsageError, match="own code"):
+        rundir.check_out(str(REPO / "kernels" / "runs"))
+
+
+def test_allow_skips_without_strict_warns(tmp_path):
+    allow = tmp_path / "allow.yaml"
+    allow.write_text("fa2: no flash-attn here\n")
+    r = cli("suite", "sanity", "--allow-skips", str(allow), "--profile", "sm999")
+    assert "only matters with --strict" in r.stderr
+    one_line_exit_2(r, "profile 'sm999' not found")
+
+
+def test_errors_are_not_wrapped_and_json_gets_an_error_object(tmp_path):
+    env = dict(os.environ, NO_COLOR="1")
+    env.pop("COLUMNS", None)
+    long = tmp_path / ("d" * 120)
+    r = subprocess.run([sys.executable, "-m", "nsa_validate", "report", str(long), "--json"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    one_line_exit_2(r, str(long))
+    assert json.loads(r.stdout) == {"error": r.stderr.strip().removeprefix("error: "), "exit_code": 2}
+
+
+@pytest.mark.parametrize("args", [[], ["baseline"], ["profile"]])
+def test_bare_commands_show_help_without_an_empty_error(args):
+    r = cli(*args)
+    assert r.returncode == 2 and "Usage" in (r.stdout + r.stderr)
+    assert not any(x.strip() == "error:" for x in r.stderr.splitlines())
