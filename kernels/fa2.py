@@ -121,12 +121,27 @@ def causal_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, scale: 
     return o
 
 
+SPLIT_HEADS_FROM = 2 ** 28
+"""Elements of q (T·H·d_k) from which the window branch runs one call per KV head: flash-attn's
+GQA backward allocates dk/dv per *query* head plus an fp32 dq accumulator (at 64k, 64 heads,
+d 192: ~7.5 GiB at once); one KV head's group at a time needs 1/G of that."""
+
+
 @routing.ranged("kernel", "win")
 def window_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int, backend: str,
-                     scale: float | None = None):
-    """Sliding window: query t attends to positions max(0, t−w+1) .. t. [T, H, d_v]."""
+                     scale: float | None = None, split_heads_from: int = SPLIT_HEADS_FROM):
+    """Sliding window: query t attends to positions max(0, t−w+1) .. t. [T, H, d_v]. Large inputs
+    (q.numel() >= ``split_heads_from``) run as one call per KV head (same result, less memory)."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    o = _call(backend, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, window - 1)
+    G = k.shape[1]
+    if G > 1 and q.numel() >= split_heads_from:
+        # unbind, not slices: the backward stacks the G gradients once (a slice's backward would
+        # write a zero-filled full-size gradient per group)
+        qs, ks, vs = q.unflatten(1, (G, -1)).unbind(1), k.unbind(1), v.unbind(1)
+        o = torch.stack([_call(backend, qs[g], ks[g][:, None], vs[g][:, None], cu_seqlens, cu_seqlens,
+                               max_seqlen, max_seqlen, scale, window - 1) for g in range(G)], dim=1).flatten(1, 2)
+    else:
+        o = _call(backend, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, window - 1)
     routing.note("kernel", "win", f"fa2:{backend}")
     return o
 

@@ -25,10 +25,8 @@ import json
 import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import first_error, load_results, read_json
+from nsa_validate.schema import load_results, read_json
 
 BASELINE_VERSION = 2
 DEFAULT_MAX_REGRESSION_PCT = 10.0
@@ -113,27 +111,26 @@ def load(path: Path) -> dict:
         raise UsageError(f"'{path}' is not a baseline file of version {BASELINE_VERSION} (baseline_version: "
                          f"{data.get('baseline_version') if isinstance(data, dict) else 'none'})")
     try:
-        _BaselineIn.model_validate(data)
-    except ValidationError as e:
-        raise UsageError(f"baseline '{path}' is malformed ({first_error(e)})") from None
+        _check_baseline(data)
+    except ValueError as e:
+        raise UsageError(f"baseline '{path}' is malformed ({e})") from None
     return data
 
 
-class _Timing(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    median_ms: float
-    p20_ms: float
-    p80_ms: float
-
-
-class _BaselineIn(BaseModel):
-    """What ``compare`` reads of a baseline file."""
-    model_config = ConfigDict(extra="allow")
-    gpu: str
-    sm: str
-    profile: str | None
-    cases: dict[str, str]
-    timings: dict[str, _Timing]
+def _check_baseline(data: dict) -> None:
+    """What ``compare`` reads of a baseline file; ValueError naming the first place that is wrong."""
+    for key in ("gpu", "sm"):
+        if not isinstance(data.get(key), str):
+            raise ValueError(f"{key}: missing or not a string")
+    if data.get("profile") is not None and not isinstance(data["profile"], str):
+        raise ValueError("profile: not a string")
+    if not isinstance(data.get("cases"), dict) or not all(isinstance(v, str) for v in data["cases"].values()):
+        raise ValueError("cases: must map case ids to statuses")
+    if not isinstance(data.get("timings"), dict):
+        raise ValueError("timings: missing or not an object")
+    for k, t in data["timings"].items():
+        if not (isinstance(t, dict) and all(isinstance(t.get(f), (int, float)) for f in ("median_ms", "p20_ms", "p80_ms"))):
+            raise ValueError(f"timings.{k}: needs median_ms, p20_ms and p80_ms numbers")
 
 
 def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) -> None:

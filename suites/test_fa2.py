@@ -85,6 +85,36 @@ def test_window_branch(backend, dt, record):
 
 
 @pytest.mark.parametrize("backend,dt", CASES)
+def test_window_branch_per_kv_head(backend, dt, record):
+    """The window branch as long prefills run it (one call per KV head, ``split_heads_from``):
+    output and the gradients of q, k, v vs the oracle's autograd."""
+    dtype = DTYPES[dt]
+    fa2 = _require(backend, dtype, window=True)
+    T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
+    q, k, v = (_rand(T, n, d, dtype=dtype, seed=30 + i).requires_grad_(True)
+               for i, (n, d) in enumerate(((H, NSA.d_k), (G, NSA.d_k), (G, NSA.d_v))))
+    do = _rand(T, H, NSA.d_v, dtype=dtype, seed=33)
+    cu = cu_seqlens(MIXED, DEV)
+    with record.capture() as log:
+        o = fa2.window_attention(q, k, v, cu, max(MIXED), NSA.window, backend, split_heads_from=0)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    record.expect_ran(log, "kernel", "win", f"fa2:{backend}")
+    mask = lambda pos, n: reference.window_mask(NSA, pos, n)  # noqa: E731
+
+    def oracle(dt_):
+        leaves = [t.detach().to(dt_).requires_grad_(True) for t in (q, k, v)]
+        ref = _oracle(*leaves, MIXED, MIXED, mask, dt_)
+        return ref.detach(), torch.autograd.grad(ref, leaves, do.to(dt_))
+    o32, g32 = oracle(torch.float32)
+    olp, glp = oracle(dtype)
+    record.check("o", o, o32, olp, dtype=dtype)
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, g32, glp):
+        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
+    record.metrics["lens"] = MIXED
+    record.assert_ok()
+
+
+@pytest.mark.parametrize("backend,dt", CASES)
 def test_compressed_branch(backend, dt, record):
     """The residue mapping of kernels/fa2.py: query t sees compressed tokens i with i·d+l−1 <= t."""
     dtype = DTYPES[dt]
