@@ -35,7 +35,7 @@ from suites import SUITES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Hardware validation harness for Native Sparse Attention.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)   # lines are never wrapped: CI logs are not terminals
 STYLE = {"pass": "green", "partial": "yellow", "ok": "green", "fail": "red", "error": "red", "broken": "red",
          "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
 

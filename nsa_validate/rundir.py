@@ -45,6 +45,7 @@ def check_out(out: str | None) -> Path:
             raise UsageError(f"--out '{out}' is a system location ({real}); choose a folder of your own")
         if any(real == d or d in real.parents for d in PACKAGE_DIRS):
             raise UsageError(f"--out '{out}' is inside the tool's own code ({real}); choose another folder")
+        root = real                   # absolute: suite processes run in the repository, not in this folder
     if root.exists() and not root.is_dir():
         raise UsageError(f"--out '{root}' exists and is not a directory")
     try:

@@ -27,7 +27,10 @@ def atomic_write(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:          # name the file the user knows, not our temporary one
+            raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
