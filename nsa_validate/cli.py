@@ -35,7 +35,32 @@ from suites import SUITES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Hardware validation harness for Native Sparse Attention.")
-err = Console(stderr=True, soft_wrap=True)   # lines are never wrapped: CI logs are not terminals
+class _Stderr:
+    """sys.stderr for rich, minus failures: a closed terminal (SIGHUP) or a dead pipe (`| tee`
+    killed by Ctrl-C) must not stop the run from writing its folder."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        try:
+            return sys.stderr.isatty()
+        except (OSError, ValueError):
+            return False
+
+    @property
+    def encoding(self) -> str:
+        return getattr(sys.stderr, "encoding", None) or "utf-8"
+
+
+err = Console(file=_Stderr(), soft_wrap=True)   # lines are never wrapped: CI logs are not terminals
 STYLE = {"pass": "green", "partial": "yellow", "ok": "green", "fail": "red", "error": "red", "broken": "red",
          "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
 
@@ -209,7 +234,7 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
     res = _load_run(run_dir)
     if out is not None and not str(out).strip():
         raise UsageError("--out is empty; give the baseline file to write")
-    path = out or (rundir.REPO_ROOT / "baselines" / f"{name}.json")
+    path = rundir.expand(out) if out is not None else rundir.REPO_ROOT / "baselines" / f"{name}.json"
     compare.check_target(path, run_dir, protected=(rundir.DEFAULT_OUT,))
     data, kept = compare.save(res, run_dir, name, path)
     err.print(f"baseline '{name}' ({data['gpu']} {data['sm']}, profile {data['profile']}): {len(data['cases'])} cases, "
@@ -274,17 +299,23 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
     header = (f"# Suggested by `nsa-validate profile suggest` from run {run_dir.name} "
               f"({gpu.get('name', 'unknown GPU')}, {res['manifest'].get('started')}):\n"
               f"#   {', '.join(f'{k}={v}' for k, v in suggest.items())}\n")
+
+    def rewrite(old: str) -> str:
+        try:
+            return thresholds.rewrite_routing(old, suggest, header)
+        except ValueError as e:
+            raise UsageError(f"profile {target}: {e}") from None
     try:
-        text = thresholds.rewrite_routing(target.read_text(encoding="utf-8"), suggest, header)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"profile {target}: {e}") from None
+        text = rewrite(target.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"profile {target}: not UTF-8 text") from None
     suggested = target.with_name(f"{target.stem}.suggested.yaml")
     written = {"suggested": str(suggested)}
     kept = safefs.replace_keeping_backup(suggested, text)      # an earlier suggestion is kept
     if kept:
         written["previous_suggestion"] = str(kept)
-    if apply:
-        written.update(backup=str(safefs.replace_keeping_backup(target, text)), applied=str(target))
+    if apply:     # read again under the lock: concurrent applies each land on the other's result
+        written.update(backup=str(safefs.rewrite_keeping_backup(target, rewrite)), applied=str(target))
     err.print(f"suggested routing: {suggest}")
     for k, v in written.items():
         err.print(f"{k}: {v}")
@@ -343,19 +374,20 @@ def _manifest(run_dir: Path, required: bool = True) -> dict | None:
 
 
 def _stale(manifest: dict) -> str | None:
-    """Why a folder marked running has no process behind it any more (None: it may still run)."""
+    """Why a folder marked running has no process behind it any more (None: it may still run, or
+    this machine cannot tell: another host, another PID namespace, no process recorded)."""
     import socket
     pid, host = manifest.get("pid"), manifest.get("host")
-    if host and host != socket.gethostname():
-        return None                   # another machine's process: cannot tell from here
-    if not isinstance(pid, int):
-        return "no process recorded"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return f"process {pid} is gone"
-    except PermissionError:
+    if not isinstance(pid, int) or (host and host != socket.gethostname()):
         return None
+    want = manifest.get("process") or {}
+    if want.get("pid_ns") and want["pid_ns"] != (rundir.process_identity(os.getpid()) or {}).get("pid_ns"):
+        return None                   # recorded in another container: its pids mean nothing here
+    ident = rundir.process_identity(pid)
+    if ident is None:
+        return f"process {pid} is gone"
+    if want.get("start") is not None and ident.get("start") is not None and ident["start"] != want["start"]:
+        return f"process {pid} is gone (the pid now belongs to another process)"
     return None
 
 
@@ -370,9 +402,18 @@ class _EnvRecord:
 
 
 def _repair(run_dir: Path, manifest: dict) -> dict:
-    """Results of a run whose process vanished, from the records its suites left."""
+    """Results of a run whose process vanished, from the records its suites left. A run that died
+    between writing results.json and manifest.json (the last write) is finished: its manifest is
+    restored from its results, which are left as they are."""
     from nsa_validate.runner import read_records
     from nsa_validate.schema import suite_status
+    try:
+        done = load_results(run_dir / "results.json")
+    except (OSError, ValueError):
+        done = None
+    if done is not None and done["manifest"].get("status") not in (None, "running"):
+        write_json(run_dir / "manifest.json", done["manifest"])
+        return done
     status = "interrupted (process vanished)"
     try:
         env = read_json(run_dir / "env.json")
@@ -389,13 +430,14 @@ def _repair(run_dir: Path, manifest: dict) -> dict:
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
                                         cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
             continue
-        _, cases = read_records(rec)
-        problem = f"process vanished; see logs/{name}.log"
-        cases.append(CaseRecord("suite-process", name, "error", problem))
+        total, cases = read_records(rec)
+        problem = "" if total is not None and len(cases) >= total else f"process vanished; see logs/{name}.log"
+        if problem:
+            cases.append(CaseRecord("suite-process", name, "error", problem))
         extra_path = run_dir / "suites" / name / "extra.json"
         try:
             extra = read_json(extra_path) if extra_path.exists() else {}
-        except ValueError:
+        except (OSError, ValueError):
             extra = {}
         results[name] = SuiteResult(name, suite_status(cases, problem), 0.0, cases, reason=problem,
                                     log=f"logs/{name}.log", extra=extra)
@@ -419,6 +461,8 @@ class _Stop:
 
     def __enter__(self) -> "_Stop":
         for s in STOP_SIGNALS:
+            if signal.getsignal(s) is signal.SIG_IGN:       # e.g. SIGHUP under nohup: stays ignored
+                continue
             self._old[s] = signal.signal(s, self._on_signal)
         return self
 
@@ -464,7 +508,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                 "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
                 "ended": None, "status": "running", "allowed_skips": allowed or {},
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
-                "pid": os.getpid(), "host": socket.gethostname(),
+                "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None}
     if prof.device == "cuda" and not gpu:
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
@@ -621,6 +665,8 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
     v = res["verdict"]
     for b in v["blocking"][:20]:
         err.print(f"  [red]✗[/] {escape(b)}")
+    if len(v["blocking"]) > 20:
+        err.print(f"  … and {len(v['blocking']) - 20} more (report.md lists them all)")
     for name, why in v.get("not_exercised", {}).items():
         err.print(f"  [yellow]○[/] {name} not exercised: {escape(why)}")
     tt = v["totals"]

@@ -137,13 +137,14 @@ def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) ->
     """Refuse a baseline target that could destroy anything: a folder, a path in (or equal to) a
     run folder or one of the ``protected`` roots (the artifacts folder), or an existing file that is
     not a baseline file."""
-    p = Path(path).expanduser().resolve()
+    from nsa_validate import rundir
+    p = rundir.resolve(rundir.expand(path))
     if p.is_dir():
         raise UsageError(f"--out '{path}' is a folder; give the baseline file to write (e.g. baselines/NAME.json)")
     for anc in (p, *p.parents):
         if (anc / "manifest.json").is_file() or (anc / "results.json").is_file():
             raise UsageError(f"--out '{path}' is inside the run folder '{anc}'; a baseline never writes into a run")
-    for root in (Path(run_dir).resolve(), *(Path(r).resolve() for r in protected)):
+    for root in (rundir.resolve(run_dir), *(rundir.resolve(r) for r in protected)):
         if p == root or root in p.parents:
             raise UsageError(f"--out '{path}' is inside '{root}' (run folders live there); write the baseline elsewhere")
     if p.exists():

@@ -7,6 +7,7 @@ leaves the records of the cases it finished (the runner turns the death into an 
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from nsa_core import routing
 from nsa_core.routing import DispatchLog
-from nsa_validate import context, evidence, limits, tolerance
+from nsa_validate import context, evidence, limits, safefs, tolerance
 from nsa_validate.context import RunContext
 
 
@@ -128,7 +129,7 @@ class SuiteExtra:
     def _save(self) -> None:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "extra.json").write_text(json.dumps(self.data, indent=1, default=str))
+            safefs.atomic_write(self.dir / "extra.json", json.dumps(self.data, indent=1, default=str))
 
 
 def profile_cases(params: list, suite: str, field: str, n_args: int) -> list:
@@ -157,7 +158,9 @@ def pytest_configure(config) -> None:
     if path:
         ctx = RunContext.load(path)
         context.set_current(ctx)
-        if ctx.parent_pid:
+        # only as the runner starts us (its child, leading our own process group): a person
+        # re-running the logged command must not have their shell's group killed
+        if ctx.parent_pid and os.getppid() == ctx.parent_pid and os.getpgrp() == os.getpid():
             _watch_parent(ctx.parent_pid)
 
 

@@ -235,16 +235,20 @@ def check_ranges(prof: Profile) -> None:
 
     if prof.device not in ("cuda", "cpu"):
         bad("device", "'cuda' or 'cpu'", prof.device)
-    r = prof.routing
-    for f in dataclasses.fields(r):
-        if "_min_len" in f.name:
-            v = getattr(r, f.name)
-            if v is not None and v < 0:
-                bad(f"routing.{f.name}", "a length >= 0 or null", v)
-    if r.fa2_backend not in FA2_BACKENDS:
-        bad("routing.fa2_backend", f"one of {', '.join(FA2_BACKENDS)}", r.fa2_backend)
-    if r.decode_backend not in DECODE_BACKENDS:
-        bad("routing.decode_backend", f"one of {', '.join(DECODE_BACKENDS)}", r.decode_backend)
+    def routing(where: str, r: RoutingPolicy) -> None:
+        for f in dataclasses.fields(r):
+            if "_min_len" in f.name:
+                v = getattr(r, f.name)
+                if v is not None and v < 0:
+                    bad(f"{where}.{f.name}", "a length >= 0 or null", v)
+        if r.fa2_backend not in FA2_BACKENDS:
+            bad(f"{where}.fa2_backend", f"one of {', '.join(FA2_BACKENDS)}", r.fa2_backend)
+        if r.decode_backend not in DECODE_BACKENDS:
+            bad(f"{where}.decode_backend", f"one of {', '.join(DECODE_BACKENDS)}", r.decode_backend)
+
+    routing("routing", prof.routing)
+    if prof.suites.layer.routing is not None:
+        routing("suites.layer.routing", prof.suites.layer.routing)
     su = prof.suites
     for name, t in su.timeout_s.items():
         if name not in SUITES:

@@ -31,6 +31,41 @@ SYSTEM_DIRS = tuple(Path(p) for p in ("/bin", "/boot", "/dev", "/etc", "/lib", "
 PACKAGE_DIRS = tuple(REPO_ROOT / d for d in ("nsa_validate", "nsa_core", "kernels", "suites", "profiles", ".git"))
 
 
+def expand(path) -> Path:
+    """``~`` expanded; UsageError (not a traceback) for ``~nosuchuser``."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as e:
+        raise UsageError(f"cannot expand '{path}' ({e})") from None
+
+
+def resolve(path: Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:       # a symlink loop, a path too long
+        raise UsageError(f"cannot resolve '{path}' ({e})") from None
+
+
+def process_identity(pid: int) -> dict | None:
+    """{"start": clock ticks since boot, "pid_ns": the PID namespace} of a live process on Linux
+    ({} elsewhere), None when there is no such process: a pid that was reused, or one recorded in
+    another container, is not mistaken for the run's process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    ident = {}
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ident["start"] = int(stat.rsplit(")", 1)[1].split()[19])
+        ident["pid_ns"] = os.readlink(f"/proc/{pid}/ns/pid")
+    except (OSError, ValueError, IndexError):
+        pass
+    return ident
+
+
 def check_out(out: str | None) -> Path:
     """Validate ``--out``: not empty, not a system location or a folder of the package itself, a
     directory we can create and write in (relative paths, '..' included, are fine)."""
@@ -39,8 +74,8 @@ def check_out(out: str | None) -> Path:
     else:
         if not str(out).strip():
             raise UsageError("--out is empty; give the folder to put run folders in")
-        root = Path(out).expanduser()
-        real = root.resolve()
+        root = expand(out)
+        real = resolve(root)
         if real == Path("/") or any(real == d or d in real.parents for d in SYSTEM_DIRS):
             raise UsageError(f"--out '{out}' is a system location ({real}); choose a folder of your own")
         if any(real == d or d in real.parents for d in PACKAGE_DIRS):

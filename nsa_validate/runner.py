@@ -37,11 +37,11 @@ def suite_env(ctx: RunContext) -> dict:
 def _die_with_parent(parent: int):
     """preexec_fn of a suite process: on Linux, SIGKILL it when the process that started it dies
     (PR_SET_PDEATHSIG); if that parent is already gone, exit at once."""
-    libc = _LIBC
+    prctl = _PRCTL
 
     def pre() -> None:
-        if libc is not None:
-            libc.prctl(1, signal.SIGKILL)          # 1 = PR_SET_PDEATHSIG
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)               # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(1)
     return pre
@@ -49,9 +49,9 @@ def _die_with_parent(parent: int):
 
 try:                          # loaded before any fork: a preexec_fn must not import
     import ctypes
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
 
 
 def read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
@@ -129,7 +129,10 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     if problem:
         cases.append(CaseRecord("suite-process", suite.name, "error", f"{problem}; see logs/{suite.name}.log"))
     extra_path = Path(ctx.out_dir) / "extra.json"
-    extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
+    try:
+        extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
+    except (OSError, ValueError):     # cut short by a process killed while writing it
+        extra = {}
     result = SuiteResult(suite.name, suite_status(cases, problem), round(time.monotonic() - t0, 2), cases,
                          reason=problem, log=f"logs/{suite.name}.log", returncode=rc, extra=extra)
     if interrupted:

@@ -18,11 +18,21 @@ from pathlib import Path
 from typing import Iterator
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` (UTF-8) in one rename; the temporary file is removed on failure."""
+    """Replace ``path`` with ``text`` (UTF-8) in one rename; the temporary file is removed on
+    failure. The file keeps the mode it had (a new one: 0666 less the umask, as open() gives)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except OSError:
+            mode = 0o666 & ~_UMASK
+        os.fchmod(fd, mode)          # mkstemp makes 0600: a colleague could not read the results
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -71,6 +81,16 @@ def lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def rewrite_keeping_backup(path: Path, fn) -> Path:
+    """Under ``lock(path)``: back up ``path``, then atomically replace it with ``fn(its text)``
+    (read under the lock, so concurrent rewrites compose). Returns the backup."""
+    with lock(path):
+        text = fn(Path(path).read_text(encoding="utf-8"))
+        kept = backup(path)
+        atomic_write(path, text)
+        return kept
 
 
 def replace_keeping_backup(path: Path, text: str) -> Path | None:

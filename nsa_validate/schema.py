@@ -104,6 +104,7 @@ def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[st
     allowed_skips = allowed_skips or {}
     totals = {s: 0 for s in STATUSES}
     blocking, allowed = [], []
+    whole = []                      # what blocks a whole suite: listed before any one case
     exercised, not_exercised = [], {}
     for name, s in suites.items():
         for st, n in s.counts.items():
@@ -118,14 +119,15 @@ def verdict(suites: dict[str, SuiteResult], strict: bool, allowed_skips: dict[st
                 else:
                     allowed.append({"case": f"{name}/{c.id}", "skip_reason": c.reason, "allowed_because": why})
         if s.status == "error" and not any(c.status == "error" for c in s.cases):
-            blocking.append(f"{name}: error ({s.reason})")
+            whole.append(f"{name}: error ({s.reason})")
         if s.exercised:
             exercised.append(name)
         else:
             not_exercised[name] = "; ".join(f"{r} (x{n})" if n > 1 else r for r, n in s.skip_reasons()[:3]) \
                 or s.reason or "no case ran"
             if strict and name not in allowed_skips:    # only an entry naming the suite itself excuses it
-                blocking.append(f"{name}: not exercised in --strict ({not_exercised[name]})")
+                whole.append(f"{name}: not exercised in --strict ({not_exercised[name]})")
+    blocking = whole + blocking
     status = "fail" if blocking else "partial" if not_exercised else "pass"
     return {"status": status, "strict": strict, "totals": totals, "blocking": blocking, "allowed_skips": allowed,
             "exercised": exercised, "not_exercised": not_exercised, "headline": headline(status, suites, not_exercised)}
@@ -173,10 +175,17 @@ def check_results(data) -> None:
     _expect(isinstance(data, dict), "top level", f"expected a JSON object, got {type(data).__name__}")
     for key in ("manifest", "suites", "verdict"):
         _expect(isinstance(data.get(key), dict), key, "missing or not an object")
-    _expect(isinstance(data["verdict"].get("status"), str), "verdict.status", "missing or not a string")
+    v = data["verdict"]
+    _expect(isinstance(v.get("status"), str), "verdict.status", "missing or not a string")
+    _expect(isinstance(v.get("totals"), dict) and all(isinstance(v["totals"].get(k), int) for k in STATUSES),
+            "verdict.totals", f"needs counts of {', '.join(STATUSES)}")
+    _expect(isinstance(v.get("blocking"), list), "verdict.blocking", "missing or not a list")
     for name, s in data["suites"].items():
         _expect(isinstance(s, dict), f"suites.{name}", "not an object")
         _expect(isinstance(s.get("status"), str), f"suites.{name}.status", "missing or not a string")
+        _expect(isinstance(s.get("counts"), dict) and all(isinstance(s["counts"].get(k), int) for k in STATUSES),
+                f"suites.{name}.counts", f"needs counts of {', '.join(STATUSES)}")
+        _expect(isinstance(s.get("duration_s"), (int, float)), f"suites.{name}.duration_s", "missing or not a number")
         _expect(isinstance(s.get("cases"), list), f"suites.{name}.cases", "missing or not a list")
         for i, c in enumerate(s["cases"]):
             _expect(isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("status"), str),

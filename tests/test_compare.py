@@ -122,9 +122,9 @@ def test_strict_allow_list():
     s = {"fa2": SuiteResult("fa2", "skip", 0, [CaseRecord("window_branch[flash_attn-bf16]", "fa2", "skip", "no FA")]),
          "decode": SuiteResult("decode", "skip", 0, [CaseRecord("bench[B16-S131072]", "decode", "skip", "OOM guard")])}
     v = verdict(s, strict=True, allowed_skips={"fa2/window_branch[flash_attn-*]": "no flash-attn wheel for this CUDA"})
-    assert v["status"] == "fail" and v["blocking"] == [
-        "fa2: not exercised in --strict (no FA)", "decode/bench[B16-S131072]: skipped in --strict (OOM guard)",
-        "decode: not exercised in --strict (OOM guard)"]
+    assert v["status"] == "fail" and v["blocking"] == [       # whole suites first, then cases
+        "fa2: not exercised in --strict (no FA)", "decode: not exercised in --strict (OOM guard)",
+        "decode/bench[B16-S131072]: skipped in --strict (OOM guard)"]
     assert v["allowed_skips"][0]["allowed_because"] == "no flash-attn wheel for this CUDA"
     v = verdict(s, strict=True, allowed_skips={"fa2": "x", "decode/bench[*]": "y"})
     assert v["status"] == "fail" and v["blocking"] == ["decode: not exercised in --strict (OOM guard)"]

@@ -22,6 +22,7 @@ from nsa_validate import rundir
 from nsa_validate.errors import UsageError
 
 PROFILE_SM90 = REPO / "profiles" / "sm90.yaml"
+ZERO = {"pass": 0, "fail": 0, "skip": 0, "error": 0}
 
 
 def one_line_exit_2(r, needle: str = "") -> None:
@@ -79,8 +80,9 @@ def _suggest_run(tmp_path: Path, prof: Path, name: str, suggest: dict) -> Path:
     (run / "results.json").write_text(json.dumps({
         "schema_version": 1, "manifest": {"profile": prof.stem, "profile_source": str(prof),
                                           "started": "2026-11-22T00:00:00+00:00"},
-        "env": {"facts": {}}, "verdict": {"status": "pass"},
-        "suites": {"fa2": {"status": "pass", "cases": [], "extra": {"suggest": suggest}}}}))
+        "env": {"facts": {}}, "verdict": {"status": "pass", "totals": ZERO, "blocking": []},
+        "suites": {"fa2": {"status": "pass", "cases": [], "counts": ZERO, "duration_s": 1.0,
+                           "extra": {"suggest": suggest}}}}))
     return run
 
 
@@ -389,3 +391,71 @@ def test_bare_commands_show_help_without_an_empty_error(args):
     r = cli(*args)
     assert r.returncode == 2 and "Usage" in (r.stdout + r.stderr)
     assert not any(x.strip() == "error:" for x in r.stderr.splitlines())
+
+
+# -- found in review: nohup, a dead stderr, a run that died while writing its folder ---------------
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+def test_an_ignored_sighup_stays_ignored(tmp_path):
+    """Under nohup (SIGHUP ignored) a logout must not stop the run."""
+    env = dict(os.environ, NO_COLOR="1")
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
+                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    run = _wait_for(lambda: _run_dir(tmp_path))
+    p.send_signal(signal.SIGHUP)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    assert json.loads((run / "manifest.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+def test_a_dead_stderr_does_not_lose_the_interrupted_run(tmp_path):
+    """`nsa-validate ... 2>&1 | tee log` and Ctrl-C kills tee too: stderr is a broken pipe."""
+    env = dict(os.environ, NO_COLOR="1")
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
+                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = _wait_for(lambda: _run_dir(tmp_path))
+    _wait_for(lambda: len(_records(run)) >= 1)
+    p.stderr.close()                                     # the reader is gone
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=120) == 130
+    res = json.loads((run / "results.json").read_text())
+    assert res["manifest"]["status"] == "interrupted" and set(_records(run)) <= {
+        c["id"] for c in res["suites"]["sanity"]["cases"]}
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_repair_keeps_a_run_that_died_after_writing_its_results(tmp_path):
+    """Killed between results.json and manifest.json (the last write): the run is finished; its
+    manifest is restored from the results, which stay as they were."""
+    run = make_run(tmp_path, "r")
+    before = (run / "results.json").read_text()
+    (run / "manifest.json").write_text(json.dumps({"status": "running", "pid": _dead_pid(),
+                                                   "host": os.uname().nodename, "suites": ["decode"]}))
+    r = cli("repair", str(run))
+    assert r.returncode == 0, r.stderr
+    assert (run / "results.json").read_text() == before
+    assert json.loads((run / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_new_files_are_readable_by_others(tmp_path):
+    from nsa_validate import safefs
+    mask = os.umask(0o022)
+    os.umask(mask)
+    safefs.atomic_write(tmp_path / "f.json", "{}")
+    assert (tmp_path / "f.json").stat().st_mode & 0o777 == 0o666 & ~safefs._UMASK
+
+
+def test_unknown_user_home_and_short_verdicts_are_one_line(tmp_path):
+    one_line_exit_2(cli("suite", "sanity", "--out", "~nosuchuser_nsa/x"), "nosuchuser_nsa")
+    run = make_run(tmp_path, "r")
+    res = json.loads((run / "results.json").read_text())
+    res["verdict"] = {"status": "pass"}
+    (run / "results.json").write_text(json.dumps(res))
+    for args in (["report", str(run)], ["merge", str(run), "--out", str(tmp_path / "m")]):
+        one_line_exit_2(cli(*args), "verdict.totals")

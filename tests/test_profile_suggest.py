@@ -13,14 +13,16 @@ def _run(tmp_path, suggest, triton=None):
     shutil.copy(REPO / "profiles" / "sm90.yaml", prof)
     run = tmp_path / "run"
     run.mkdir()
-    fa2 = {"status": "pass", "cases": [], "extra": {"suggest": suggest} if suggest else {}}
+    zero = {"pass": 0, "fail": 0, "skip": 0, "error": 0}
+    fa2 = {"status": "pass", "cases": [], "counts": zero, "duration_s": 1.0, "extra": {"suggest": suggest} if suggest else {}}
     suites = {"fa2": fa2}
     if triton:
-        suites["triton"] = {"status": "pass", "cases": [], "extra": {"suggest": triton}}
+        suites["triton"] = {"status": "pass", "cases": [], "counts": zero, "duration_s": 1.0, "extra": {"suggest": triton}}
     (run / "results.json").write_text(json.dumps({
         "schema_version": 1, "manifest": {"profile": "sm90", "profile_source": str(prof),
                                           "started": "2026-11-21T00:00:00+00:00"},
-        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": suites, "verdict": {"status": "pass"}}))
+        "env": {"facts": {"gpu": {"name": "NVIDIA H100 80GB HBM3"}}}, "suites": suites,
+        "verdict": {"status": "pass", "totals": zero, "blocking": []}}))
     return prof, run
 
 
