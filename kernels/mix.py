@@ -18,25 +18,31 @@ import triton
 import triton.language as tl
 
 from nsa_core import routing
+from kernels.compressed import _load_2d, _store_2d
 
 
 @triton.jit
 def _rows(P, r, ok, sr, DV: tl.constexpr, BDV: tl.constexpr):
-    c = tl.arange(0, BDV)
-    return tl.load(P + r[:, None] * sr + c[None, :], mask=ok[:, None] & (c[None, :] < DV), other=0.0).to(tl.float32)
+    """Rows r of P as fp32 [BR, BDV] (zero past DV and where not ``ok``)."""
+    return _load_2d(P, r * sr, ok, DV, BDV).to(tl.float32)
+
+
+@triton.jit
+def _gates(G, r, ok, sg):
+    """The three gate values of rows r, fp32 [BR] each."""
+    return (tl.load(G + r * sg, mask=ok, other=0.0).to(tl.float32),
+            tl.load(G + r * sg + 1, mask=ok, other=0.0).to(tl.float32),
+            tl.load(G + r * sg + 2, mask=ok, other=0.0).to(tl.float32))
 
 
 @triton.jit
 def _mix_fwd_kernel(G, OC, OS, OW, O, R, sg, so, DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ok = r < R
-    g0 = tl.load(G + r * sg, mask=ok, other=0.0).to(tl.float32)
-    g1 = tl.load(G + r * sg + 1, mask=ok, other=0.0).to(tl.float32)
-    g2 = tl.load(G + r * sg + 2, mask=ok, other=0.0).to(tl.float32)
+    g0, g1, g2 = _gates(G, r, ok, sg)
     o = (g0[:, None] * _rows(OC, r, ok, so, DV, BDV) + g1[:, None] * _rows(OS, r, ok, so, DV, BDV)
          + g2[:, None] * _rows(OW, r, ok, so, DV, BDV))
-    c = tl.arange(0, BDV)
-    tl.store(O + r[:, None] * so + c[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & (c[None, :] < DV))
+    _store_2d(O, r * so, o, ok, DV, BDV)
 
 
 @triton.jit
@@ -44,16 +50,11 @@ def _mix_bwd_kernel(G, OC, OS, OW, DO, DG, DOC, DOS, DOW, R, sg, so,
                     DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ok = r < R
-    c = tl.arange(0, BDV)
-    m = ok[:, None] & (c[None, :] < DV)
     do = _rows(DO, r, ok, so, DV, BDV)
-    off = r[:, None] * so + c[None, :]
-    g0 = tl.load(G + r * sg, mask=ok, other=0.0).to(tl.float32)
-    g1 = tl.load(G + r * sg + 1, mask=ok, other=0.0).to(tl.float32)
-    g2 = tl.load(G + r * sg + 2, mask=ok, other=0.0).to(tl.float32)
-    tl.store(DOC + off, (g0[:, None] * do).to(DOC.dtype.element_ty), mask=m)
-    tl.store(DOS + off, (g1[:, None] * do).to(DOS.dtype.element_ty), mask=m)
-    tl.store(DOW + off, (g2[:, None] * do).to(DOW.dtype.element_ty), mask=m)
+    g0, g1, g2 = _gates(G, r, ok, sg)
+    _store_2d(DOC, r * so, g0[:, None] * do, ok, DV, BDV)
+    _store_2d(DOS, r * so, g1[:, None] * do, ok, DV, BDV)
+    _store_2d(DOW, r * so, g2[:, None] * do, ok, DV, BDV)
     tl.store(DG + r * 3, tl.sum(do * _rows(OC, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)
     tl.store(DG + r * 3 + 1, tl.sum(do * _rows(OS, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * _rows(OW, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)
