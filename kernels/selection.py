@@ -254,6 +254,11 @@ def launch_config(kernel: str, BDK: int, BDV: int) -> dict:
     indifferent (2 warps and >1 stage collapse to 0.6-1.2 s). Wider heads get twice the warps.
     """
     wide = max(BDK, BDV) > 128
+    # Measured on an H100 at the same shape (ncu): fwd and dq move 137-142 GB through L2 (the
+    # selected K/V blocks; 5.7-8.7 GB from DRAM) at 76-79% of L2 peak: bandwidth-bound, not
+    # compute-bound. Loading the blocks as TMA tiles (host TensorDescriptor, triton 3.6, whole
+    # 64-row tiles zeroed past the query) was slower at every warps/stages tried: fwd 27.6-105 ms
+    # vs 17.2, dq 28-107 ms vs 17.8.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms).
     if kernel == "dkdv":      # rows: query-head rows per inner step; segment: queries per program

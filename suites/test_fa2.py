@@ -84,22 +84,26 @@ def test_window_branch(backend, dt, record):
     _check(record, "o", o, q, k, v, MIXED, MIXED, lambda pos, n: reference.window_mask(NSA, pos, n), dtype)
 
 
+@pytest.mark.parametrize("dims", ["128-128", "192-128"])
 @pytest.mark.parametrize("backend,dt", CASES)
-def test_window_branch_per_kv_head(backend, dt, record):
+def test_window_branch_per_kv_head(backend, dt, dims, record):
     """The window branch as long prefills run it (one call per KV head, ``split_heads_from``):
-    output and the gradients of q, k, v vs the oracle's autograd."""
+    output and the gradients of q, k, v vs the oracle's autograd, with d_v = d_k and with the
+    paper's d_v < d_k (v zero-padded for FA-2, the padding dropped from output and gradients)."""
     dtype = DTYPES[dt]
-    fa2 = _require(backend, dtype, window=True)
-    T, G, H = sum(MIXED), NSA.n_kv_heads, NSA.n_heads
+    d_k, d_v = map(int, dims.split("-"))
+    cfg = NSAConfig(d_model=128, n_kv_heads=2, heads_per_group=4, d_k=d_k, d_v=d_v)
+    fa2 = _require(backend, dtype, cfg, window=True)
+    T, G, H = sum(MIXED), cfg.n_kv_heads, cfg.n_heads
     q, k, v = (_rand(T, n, d, dtype=dtype, seed=30 + i).requires_grad_(True)
-               for i, (n, d) in enumerate(((H, NSA.d_k), (G, NSA.d_k), (G, NSA.d_v))))
-    do = _rand(T, H, NSA.d_v, dtype=dtype, seed=33)
+               for i, (n, d) in enumerate(((H, d_k), (G, d_k), (G, d_v))))
+    do = _rand(T, H, d_v, dtype=dtype, seed=33)
     cu = cu_seqlens(MIXED, DEV)
     with record.capture() as log:
-        o = fa2.window_attention(q, k, v, cu, max(MIXED), NSA.window, backend, split_heads_from=0)
+        o = fa2.window_attention(q, k, v, cu, max(MIXED), cfg.window, backend, split_heads_from=0)
         grads = torch.autograd.grad(o, (q, k, v), do)
     record.expect_ran(log, "kernel", "win", f"fa2:{backend}")
-    mask = lambda pos, n: reference.window_mask(NSA, pos, n)  # noqa: E731
+    mask = lambda pos, n: reference.window_mask(cfg, pos, n)  # noqa: E731
 
     def oracle(dt_):
         leaves = [t.detach().to(dt_).requires_grad_(True) for t in (q, k, v)]
