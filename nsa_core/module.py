@@ -22,6 +22,12 @@ from nsa_core.config import NSAConfig
 from nsa_core.routing import BRANCHES, RoutingPolicy
 
 
+RECOMPUTE_PHI_FROM = 2 ** 25
+"""Elements of φ's MLP input (B·N·G·l·dd) from which the training forward recomputes it in the
+backward instead of keeping it (with the paper's l=32, d=16 and G=4: from 64k tokens at d 128,
+6.7e7; 32k tokens have 3.35e7, just under)."""
+
+
 class Compressor(nn.Module):
     """φ: [B, S, G, dd] -> [B, N, G, dd] over spans [i·d, i·d+l) (MLP with intra-block PE, or mean)."""
 
@@ -43,10 +49,11 @@ class Compressor(nn.Module):
         spans = spans.permute(0, 1, 2, 4, 3)                                    # [B, N, G, l, dd]
         if cfg.compress == "mean":
             return spans.mean(dim=3)
-        if torch.is_grad_enabled() and (kv.requires_grad or self.pe.requires_grad):
+        if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
             # The MLP's input [B, N, G, l·dd] is l/d = 2x the size of kv; recomputing it in the
-            # backward (one extra φ forward, ~1 ms at 64k) keeps it from living through the whole
-            # backward: 0.34 GiB at 64k, d_k 192 / d_v 128, where the layer peaks.
+            # backward (one extra φ forward) keeps it from living through the whole backward:
+            # 0.34 GiB at 64k, d_k 192 / d_v 128, where the layer peaks. Not below: the recompute
+            # costs ~1 ms of host time, which a short, launch-bound backward would feel.
             return checkpoint(self._mlp, spans, use_reentrant=False)
         return self._mlp(spans)
 
