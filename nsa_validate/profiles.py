@@ -107,6 +107,8 @@ class ExpectCfg:
     peak_bandwidth_gbs: float | None = None      # spec-sheet HBM bandwidth
     decode_roofline_min: float | None = None     # fraction of measured copy bandwidth
     decode_speedup_min: float | None = None      # vs dense at the longest context
+    # DRAM bytes one decode step reads (ncu) / the formula's bytes, at the largest B and context
+    decode_dram_ratio_max: float | None = None
     # the whole layer vs the fastest same-bytes dense layer (dense ms / NSA ms) at the longest
     # context of the layer suite, B=1: forward, and forward+backward
     layer_fwd_speedup_min: float | None = None
@@ -286,6 +288,9 @@ def check_ranges(prof: Profile) -> None:
     positive_list("suites.decode.batches", d.batches)
     positive_list("suites.decode.effect_contexts", d.effect_contexts)
     dtypes("suites.decode.dtype", [d.dtype])
+    r = prof.expect.decode_dram_ratio_max
+    if r is not None and not r >= 1.0:
+        bad("expect.decode_dram_ratio_max", "a ratio >= 1 (DRAM bytes read / formula bytes) or null", r)
     la = su.layer
     pairs("suites.layer.shapes", la.shapes)
     pairs("suites.layer.head_dims", la.head_dims)

@@ -30,9 +30,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sys
+
 from nsa_core import routing
-from nsa_core.config import PAPER, tiny
-from nsa_validate import decode_table, evidence, limits, roofline, timing
+from nsa_validate import decode_table, evidence, limits, ncu, roofline, timing
+from nsa_validate.bench import decode as decode_bench
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
 from nsa_validate.tolerance import DTYPES
@@ -43,7 +45,7 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 CTX = current()
 CFG = CTX.profile.suites.decode
 DEV = CTX.device
-LAYER = PAPER if CFG.paper_config else tiny(block_size=16, n_selected=4, window=64)
+LAYER = decode_bench.layer_config(CFG.paper_config)
 DTYPE = DTYPES[CFG.dtype]
 GPU = DEV == "cuda"
 
@@ -60,20 +62,8 @@ def _require():
 
 
 def _cache(B, S, seed):
-    """A DecodeCache of capacity S holding tokens 0..S−2 (random K/V and compressed K/V; the rest
-    NaN), and the new token's q, k, v, gate, pos (t = S−1)."""
-    from nsa_core import DecodeCache
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device=DEV, generator=g).to(DTYPE)  # noqa: E731
-    c = DecodeCache(LAYER, B, S, device=DEV, dtype=DTYPE)
-    t = S - 1
-    G, N = LAYER.n_kv_heads, LAYER.n_cmp(t)
-    c.k[:, :t], c.v[:, :t] = rnd(B, t, G, LAYER.d_k), rnd(B, t, G, LAYER.d_v)
-    c.k_cmp[:, :N], c.v_cmp[:, :N] = rnd(B, N, G, LAYER.d_k), rnd(B, N, G, LAYER.d_v)
-    new = dict(q=rnd(B, LAYER.n_heads, LAYER.d_k), k_new=rnd(B, G, LAYER.d_k), v_new=rnd(B, G, LAYER.d_v),
-               gate=torch.rand(B, LAYER.n_heads, 3, device=DEV, generator=g).to(DTYPE),
-               pos=torch.full((B,), t, dtype=torch.int32, device=DEV))
-    return c, new
+    """A DecodeCache of S tokens and the new token's tensors (``nsa_validate.bench.decode``)."""
+    return decode_bench.make_inputs(LAYER, B, S, DTYPE, DEV, seed)
 
 
 # -- parity ---------------------------------------------------------------------------------
@@ -196,7 +186,7 @@ BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches for S in CFG.c
 @pytest.mark.parametrize("B,S", profile_cases(BENCH, "decode", "contexts", 2))
 def test_bench(B, S, record, copy_gbs):
     decode = _require()
-    cache, new = _cache(B, S, seed=B * 7919 + S)
+    cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
     step = decode.DecodeStep(LAYER, cache)
     with torch.no_grad(), record.capture() as log:
         r = step(**new)
@@ -254,6 +244,75 @@ def test_bench(B, S, record, copy_gbs):
            "pct_spec_bw": 100 * gbs / spec if spec and GPU else None}
     ROWS.append(row)
     record.metrics["row"] = row
+
+
+def _distinct_raw_tokens(idx, t: int) -> int:
+    """Raw tokens the window and the selected blocks (idx [B, G, n], −1 unused) cover together,
+    each counted once, summed over rows and KV heads."""
+    B, G, _ = idx.shape
+    L = LAYER.block_size
+    pos = torch.arange(t + 1, device=idx.device)
+    chosen = torch.zeros(B, G, t // L + 2, dtype=torch.bool, device=idx.device)
+    chosen.scatter_(2, idx.long() + 1, True)                               # slot 0: the −1 entries
+    covered = chosen[:, :, 1 + pos // L] | (pos >= t - LAYER.window + 1)
+    return int(covered.sum())
+
+
+# what each launch of an eager step is, in launch order (kernels/decode.py)
+STEP_LAUNCHES = ("append", "compressed partial (+ logits)", "block scores", "top-n", "window + selection partial", "merge")
+
+
+def test_dram_reads(record, extra):
+    """The GPU's own DRAM counters (Nsight Compute) on one eager step at the largest batch and
+    context, next to the formula's bytes and the bytes counted from the step's indices. Fails when
+    the step reads more than ``expect.decode_dram_ratio_max`` × the formula, or less than the distinct
+    tokens its indices cover (a kernel that skipped work: ncu flushes the caches before each kernel,
+    so every token read comes from DRAM at least once; the formula counts a token that both the
+    window and a selected block cover twice, the hardware may read it once)."""
+    why = ncu.unavailable()
+    if why:
+        pytest.skip(why)
+    decode = _require()
+    B, S = max(CFG.batches), max(CFG.contexts)
+    cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
+    with torch.no_grad(), record.capture() as log:
+        r = decode.DecodeStep(LAYER, cache)(**new)
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    del cache
+    per_token = (LAYER.d_k + LAYER.d_v) * DTYPE.itemsize
+    counted = {br: int(r.reads[br].sum()) * per_token for br in ("cmp", "sel", "win")}
+    distinct = (int(r.reads["cmp"].sum()) + _distinct_raw_tokens(r.idx, S - 1)) * per_token
+    want = LAYER.expected_reads(S - 1)
+    formula = {br: roofline.bytes_read(want[br], LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
+               for br in ("cmp", "sel", "win")}
+    df = ncu.dram_bytes([sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S),
+                         "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny"])
+    assert len(df) == len(STEP_LAUNCHES), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(STEP_LAUNCHES)}"
+    shares = {1: formula["cmp"], 4: formula["sel"] + formula["win"]}
+    for i, (row, what) in enumerate(zip(df.itertuples(), STEP_LAUNCHES)):
+        extra.row("decode step: DRAM bytes counted by the GPU (ncu) vs the formula", {
+            "B": B, "S": S, "launch": what, "kernel": row.kernel, "DRAM read MB": f"{row.dram_read / 1e6:.2f}",
+            "DRAM write MB": f"{row.dram_write / 1e6:.2f}",
+            "formula MB": f"{shares[i] / 1e6:.2f}" if i in shares else "",
+            "read / formula": f"{row.dram_read / shares[i]:.3f}" if i in shares else ""})
+    total, f_total, c_total = float(df.dram_read.sum()), sum(formula.values()), sum(counted.values())
+    ratio = total / f_total
+    extra.row("decode step: DRAM bytes counted by the GPU (ncu) vs the formula", {
+        "B": B, "S": S, "launch": "whole step",
+        "kernel": f"counted from indices: {c_total / 1e6:.2f} MB ({distinct / 1e6:.2f} MB distinct tokens)",
+        "DRAM read MB": f"{total / 1e6:.2f}", "DRAM write MB": f"{df.dram_write.sum() / 1e6:.2f}",
+        "formula MB": f"{f_total / 1e6:.2f}", "read / formula": f"{ratio:.3f}"})
+    record.metrics.update(B=B, S=S, dram_read=total, dram_write=float(df.dram_write.sum()), formula_bytes=f_total,
+                          counted_bytes=c_total, distinct_bytes=distinct, ratio=ratio,
+                          launches=df.assign(what=list(STEP_LAUNCHES)).to_dict("records"))
+    assert counted == formula, f"bytes counted from the step's indices {counted} != formula {formula}"
+    limit = CTX.profile.expect.decode_dram_ratio_max
+    assert total >= distinct, (f"DRAM reads {total / 1e6:.1f} MB < the {distinct / 1e6:.1f} MB of distinct tokens "
+                               "the step's indices cover: a kernel skipped work")
+    if limit is not None:
+        assert ratio <= limit, (f"DRAM reads {total / 1e6:.1f} MB = {ratio:.3f} x the formula's "
+                                f"{f_total / 1e6:.1f} MB > {limit} allowed (expect.decode_dram_ratio_max)")
 
 
 def test_roofline_table(record, extra, copy_gbs):
