@@ -6,11 +6,14 @@ position is a device tensor; no shape depends on it):
 
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
-   partial (max, sum, acc). For selection it also writes the group's logits q·k_cmp (log2 units).
+   partial (max, sum, acc). For selection it also writes, per tile of BN compressed tokens and
+   head, the tile's max and the tile's exp2(s − max) summed onto the selection blocks its tokens'
+   spans overlap: ~17 numbers per head for 64 tokens, instead of the 64 logits themselves (those
+   made a 10% DRAM round trip at 128k: written here, read back by the scorer).
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
-   compressed partials into each head's softmax max and normaliser, turns the logits into p_cmp and
-   sums them into selection-block scores (a compressed token adds to every block its span
-   overlaps, summed over the h heads); ``_topn_kernel`` (one program per (row · KV head)) takes the
+   compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
+   sums by exp2(tile max − M) / L and sums them over the tiles that reach a block and over the h
+   heads: the selection-block scores; ``_topn_kernel`` (one program per (row · KV head)) takes the
    top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
    −1 padded: exactly SPEC §3.
 3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
@@ -53,7 +56,8 @@ MERGE_COLS = 32                # d_v columns one merge program covers
 def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
           DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [BH], [BH], [BH, BDV] with one tile of keys.
-    kp/vp [BN] row pointers; valid [BN]. Returns the new state and the tile's logits [BH, BN]."""
+    kp/vp [BN] row pointers; valid [BN]. Returns the new state and the tile's scores s [BH, BN]
+    (log2 units, −inf where not valid)."""
     k = tl.load(kp[:, None] + offs_dk[None, :], mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -69,16 +73,17 @@ def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
+def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
                     sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
                     scale_log2, c_lo,
                     G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr,
                     C_CMP: tl.constexpr, C_WIN: tl.constexpr, NC: tl.constexpr,
                     CMP_TILES: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
-                    NMAX_P: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr, NBT_P: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_LOGITS: tl.constexpr, STAGES: tl.constexpr):
+                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     b = bg // G
@@ -104,8 +109,21 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
             vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
             m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
                                      DK, DV, PREC, WANT_V)
-            if WRITE_LOGITS:
-                tl.store(LOGIT + (bg * BH + rows)[:, None].to(tl.int64) * NMAX_P + kpos[None, :], s)
+            if WRITE_SCORES:
+                # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1; token i's span
+                # [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'
+                tau = c * CMP_TILES + ti
+                mt = tl.max(s, 1)
+                mt = tl.where(mt == float("-inf"), 0.0, mt)                    # an empty tile adds 0
+                jj = tl.arange(0, NBT_P)
+                blk = tau * TB + jj
+                span = kpos * CMP_STRIDE
+                over = (span[:, None] < (blk[None, :] + 1) * BLOCK) & (span[:, None] + CMP_LEN > blk[None, :] * BLOCK)
+                # fp32 products (ieee): the scores decide the selection, which must be the oracle's
+                bsum = tl.dot(tl.exp2(s - mt[:, None]), over.to(tl.float32), input_precision="ieee")
+                at = (bg * NT + tau).to(tl.int64) * BH + rows
+                tl.store(BSUM + at[:, None] * NBT_P + jj[None, :], bsum, mask=jj[None, :] < NBT)
+                tl.store(BMAX + at, mt)
             cnt += tl.sum(valid.to(tl.int32), 0)
     elif c < C_CMP + C_WIN:
         lo = tl.maximum(t - WINDOW + 1, 0)
@@ -139,16 +157,12 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, LOGIT,
 
 
 @triton.jit
-def _scores_kernel(PM, PL, LOGIT, POS, SCORE,
-                   G: tl.constexpr, H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr,
-                   CP: tl.constexpr, NC: tl.constexpr, NMAX_P: tl.constexpr, BLOCK: tl.constexpr,
-                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, NBP: tl.constexpr, BJ: tl.constexpr,
-                   OV: tl.constexpr):
+def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
+                   H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr, CP: tl.constexpr,
+                   NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
+                   NBT_P: tl.constexpr, NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr):
     """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP]."""
     bg = tl.program_id(0)
-    b = bg // G
-    t = tl.load(POS + b)
-    n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
     rows = tl.arange(0, BH)
     # each head's softmax max M and normaliser L over all compressed tokens, from the chunk partials
     ch = tl.arange(0, CP)
@@ -159,20 +173,21 @@ def _scores_kernel(PM, PL, LOGIT, POS, SCORE,
     M = tl.where(M == float("-inf"), 0.0, M)
     L = tl.sum(tl.exp2(pm - M[None, :]) * pl, 0)
     inv_L = tl.where(L > 0, 1.0 / tl.where(L > 0, L, 1.0), 0.0)        # no compressed token: 0
-    # block j gets p of compressed tokens i with i·d < (j+1)·l' and i·d + l > j·l'
+    # block j: p_cmp of the tokens overlapping it = the block sums of the (at most OVT) tiles that
+    # reach it, each rescaled from its tile max to the head's M and divided by L
     j = tl.program_id(1) * BJ + tl.arange(0, BJ)
-    first = j * BLOCK - CMP_LEN + 1
-    i_lo = tl.where(first > 0, (first + CMP_STRIDE - 1) // CMP_STRIDE, 0)
-    i_hi = ((j + 1) * BLOCK - 1) // CMP_STRIDE
     score = tl.zeros([BJ], tl.float32)
     for hh in tl.static_range(H_PER_G):
         m_h = tl.sum(tl.where(rows == hh, M, 0.0), 0)
         inv_h = tl.sum(tl.where(rows == hh, inv_L, 0.0), 0)
-        base = LOGIT + (bg * BH + hh).to(tl.int64) * NMAX_P
-        for o in tl.static_range(OV):
-            i = i_lo + o
-            s = tl.load(base + i, mask=(i <= i_hi) & (i < n_cmp), other=float("-inf"))
-            score += tl.exp2(s - m_h) * inv_h
+        for o in tl.static_range(OVT):
+            tau = j // TB - o
+            local = j - tau * TB
+            ok = (tau >= 0) & (tau < NT) & (local < NBT)
+            at = (bg * NT + tau).to(tl.int64) * BH + hh
+            mt = tl.load(BMAX + at, mask=ok, other=0.0)
+            bs = tl.load(BSUM + at * NBT_P + local, mask=ok, other=0.0)
+            score += bs * tl.exp2(mt - m_h) * inv_h
     tl.store(SCORE + bg * NBP + j, score)
 
 
@@ -309,14 +324,18 @@ class Plan:
     C_CMP: int
     C_WIN: int
     C_SEL: int
+    tb: int                    # selection blocks per tile of BN compressed tokens (BN·d / l')
+    nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
+    nbt_p: int                 # nbt padded to a power of two >= 16
 
     @property
     def NC(self) -> int:
         return self.C_CMP + self.C_WIN + self.C_SEL
 
     @property
-    def nmax_p(self) -> int:
-        return self.C_CMP * self.cmp_tiles * self.BN
+    def n_tiles(self) -> int:
+        """Tiles of BN compressed tokens the compressed partials cover."""
+        return self.C_CMP * self.cmp_tiles
 
 
 def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
@@ -326,10 +345,14 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BN), triton.cdiv(cfg.window, BN), cfg.n_selected
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
+    # BN is a power of two >= l' (a power of two), so a tile starts on a block boundary
+    tb = BN * cfg.cmp_stride // cfg.block_size
+    nbt = ((BN - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
     return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, max(16, triton.next_power_of_2(h)),
                 max(16, triton.next_power_of_2(cfg.d_k)), max(16, triton.next_power_of_2(cfg.d_v)),
-                ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st))
+                ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
+                tb, nbt, max(16, triton.next_power_of_2(nbt)))
 
 
 class Workspace:
@@ -342,7 +365,8 @@ class Workspace:
         self.pl = torch.empty(BG, p.NC, p.BH, **f32)
         self.pacc = torch.empty(BG, p.NC, p.BH, p.BDV, **f32)
         self.pcnt = torch.empty(BG, p.NC, device=device, dtype=torch.int32)
-        self.logits = torch.empty(BG, p.BH, p.nmax_p, **f32)
+        self.bsum = torch.empty(BG, p.n_tiles, p.BH, p.nbt_p, **f32)   # per tile and head: block sums
+        self.bmax = torch.empty(BG, p.n_tiles, p.BH, **f32)             # and the tile max they are relative to
         self.idx = torch.empty(p.B, p.G, p.n_sel, device=device, dtype=torch.int32)
         self.score = torch.empty(BG, p.nbp, **f32)
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
@@ -376,32 +400,32 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     want = set(branches)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
-                  CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, NMAX_P=p.nmax_p,
+                  CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
+                  NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BN=p.BN, BDK=p.BDK, BDV=p.BDV,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS)
-    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.logits,
+    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
     BG = B * p.G
     if want & {"cmp", "sel"}:
-        _partial_kernel[(BG, p.C_CMP)](*args, 0, WANT_V="cmp" in want, WRITE_LOGITS="sel" in want, **common)
+        _partial_kernel[(BG, p.C_CMP)](*args, 0, WANT_V="cmp" in want, WRITE_SCORES="sel" in want, **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
-        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.logits, pos, ws.score, G=p.G, H_PER_G=p.h,
+        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
-                                        NMAX_P=p.nmax_p, BLOCK=cfg.block_size, CMP_LEN=cfg.cmp_len,
-                                        CMP_STRIDE=cfg.cmp_stride, NBP=NBP, BJ=BJ,
-                                        OV=(cfg.block_size + cfg.cmp_len - 2) // cfg.cmp_stride + 1, num_warps=4)
+                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, NBP=NBP, BJ=BJ,
+                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=4)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
                             NBP=NBP, num_warps=SELECT_WARPS)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, WANT_V=True, WRITE_LOGITS=False, **common)
+        _partial_kernel[(BG, hi - lo)](*args, lo, WANT_V=True, WRITE_SCORES=False, **common)
     BDV_S = min(p.BDV, MERGE_COLS)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,

@@ -259,7 +259,7 @@ def _distinct_raw_tokens(idx, t: int) -> int:
 
 
 # what each launch of an eager step is, in launch order (kernels/decode.py)
-STEP_LAUNCHES = ("append", "compressed partial (+ logits)", "block scores", "top-n", "window + selection partial", "merge")
+STEP_LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
 
 
 def test_dram_reads(record, extra):
