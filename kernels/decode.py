@@ -7,12 +7,12 @@ position is a device tensor; no shape depends on it):
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
    partial (max, sum, acc). For selection it also writes, per tile of BN compressed tokens and
-   head, the tile's max and the tile's exp2(s − max) summed onto the selection blocks its tokens'
-   spans overlap: ~17 numbers per head for 64 tokens, instead of the 64 logits themselves (those
-   made a 10% DRAM round trip at 128k: written here, read back by the scorer).
+   head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
+   spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
+   themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer).
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
-   sums by exp2(tile max − M) / L and sums them over the tiles that reach a block and over the h
+   sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
    heads: the selection-block scores; ``_topn_kernel`` (one program per (row · KV head)) takes the
    top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
    −1 padded: exactly SPEC §3.
@@ -56,8 +56,9 @@ MERGE_COLS = 32                # d_v columns one merge program covers
 def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
           DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [BH], [BH], [BH, BDV] with one tile of keys.
-    kp/vp [BN] row pointers; valid [BN]. Returns the new state and the tile's scores s [BH, BN]
-    (log2 units, −inf where not valid)."""
+    kp/vp [BN] row pointers; valid [BN]. Returns the new state, and p = exp2(s − m) [BH, BN] with
+    the running max m [BH] it is relative to (s: the tile's scores in log2 units; p = 0 where not
+    valid)."""
     k = tl.load(kp[:, None] + offs_dk[None, :], mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -69,7 +70,7 @@ def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
     if WANT_V:
         v = tl.load(vp[:, None] + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc, s
+    return m_new, l_i, acc, p, m_safe
 
 
 @triton.jit
@@ -107,23 +108,23 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = kpos < n_cmp
             kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
             vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
-            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                     DK, DV, PREC, WANT_V)
+            m_i, l_i, acc, p, m_run = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                            DK, DV, PREC, WANT_V)
             if WRITE_SCORES:
                 # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1; token i's span
-                # [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'
+                # [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. The sums
+                # are of the softmax's own p, relative to the running max m_run at this tile.
                 tau = c * CMP_TILES + ti
-                mt = tl.max(s, 1)
-                mt = tl.where(mt == float("-inf"), 0.0, mt)                    # an empty tile adds 0
                 jj = tl.arange(0, NBT_P)
                 blk = tau * TB + jj
                 span = kpos * CMP_STRIDE
                 over = (span[:, None] < (blk[None, :] + 1) * BLOCK) & (span[:, None] + CMP_LEN > blk[None, :] * BLOCK)
-                # fp32 products (ieee): the scores decide the selection, which must be the oracle's
-                bsum = tl.dot(tl.exp2(s - mt[:, None]), over.to(tl.float32), input_precision="ieee")
+                # fp32-accurate products (tf32x3): the scores decide the selection, which must be the oracle's
+                bsum = tl.dot(p, over.to(tl.float32), input_precision="tf32x3")
                 at = (bg * NT + tau).to(tl.int64) * BH + rows
-                tl.store(BSUM + at[:, None] * NBT_P + jj[None, :], bsum, mask=jj[None, :] < NBT)
-                tl.store(BMAX + at, mt)
+                # rows of NBT floats back to back: a tile's sums are one contiguous run of whole sectors
+                tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT)
+                tl.store(BMAX + at, m_run)
             cnt += tl.sum(valid.to(tl.int32), 0)
     elif c < C_CMP + C_WIN:
         lo = tl.maximum(t - WINDOW + 1, 0)
@@ -132,8 +133,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = kpos <= t
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                     DK, DV, PREC, True)
+            m_i, l_i, acc, _, _ = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                        DK, DV, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
     else:
         for ti in tl.range(SEL_TILES, num_stages=STAGES):
@@ -145,8 +146,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            m_i, l_i, acc, s = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                     DK, DV, PREC, True)
+            m_i, l_i, acc, _, _ = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
+                                        DK, DV, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
     out = (bg * NC + c).to(tl.int64)
     tl.store(PM + out * BH + rows, m_i)
@@ -174,7 +175,7 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
     L = tl.sum(tl.exp2(pm - M[None, :]) * pl, 0)
     inv_L = tl.where(L > 0, 1.0 / tl.where(L > 0, L, 1.0), 0.0)        # no compressed token: 0
     # block j: p_cmp of the tokens overlapping it = the block sums of the (at most OVT) tiles that
-    # reach it, each rescaled from its tile max to the head's M and divided by L
+    # reach it, each rescaled from the max it was taken against to the head's M and divided by L
     j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     score = tl.zeros([BJ], tl.float32)
     for hh in tl.static_range(H_PER_G):
@@ -186,7 +187,7 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
             ok = (tau >= 0) & (tau < NT) & (local < NBT)
             at = (bg * NT + tau).to(tl.int64) * BH + hh
             mt = tl.load(BMAX + at, mask=ok, other=0.0)
-            bs = tl.load(BSUM + at * NBT_P + local, mask=ok, other=0.0)
+            bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
     tl.store(SCORE + bg * NBP + j, score)
 
@@ -365,8 +366,8 @@ class Workspace:
         self.pl = torch.empty(BG, p.NC, p.BH, **f32)
         self.pacc = torch.empty(BG, p.NC, p.BH, p.BDV, **f32)
         self.pcnt = torch.empty(BG, p.NC, device=device, dtype=torch.int32)
-        self.bsum = torch.empty(BG, p.n_tiles, p.BH, p.nbt_p, **f32)   # per tile and head: block sums
-        self.bmax = torch.empty(BG, p.n_tiles, p.BH, **f32)             # and the tile max they are relative to
+        self.bsum = torch.empty(BG, p.n_tiles, p.BH, p.nbt, **f32)   # per tile and head: block sums
+        self.bmax = torch.empty(BG, p.n_tiles, p.BH, **f32)           # and the running max they are relative to
         self.idx = torch.empty(p.B, p.G, p.n_sel, device=device, dtype=torch.int32)
         self.score = torch.empty(BG, p.nbp, **f32)
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
