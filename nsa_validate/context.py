@@ -26,6 +26,24 @@ class RunContext:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def device_name(self) -> str | None:
+        if self.device != "cuda":
+            return None
+        import torch
+        return torch.cuda.get_device_name(self.gpu_index if self.gpu_index is not None else torch.cuda.current_device())
+
+    @property
+    def expect(self) -> profiles.ExpectCfg:
+        """The profile's expectations for this GPU (``Profile.expectations``)."""
+        return self.profile.expectations(self.device_name)[0]
+
+    def expect_note(self) -> str:
+        """Where the expectations come from, for the report."""
+        _, key = self.profile.expectations(self.device_name)
+        where = f"the {self.profile.name} family" + (f" with its '{key}' overrides (expect_by_device)" if key else "")
+        return f"expectations: {where}, on {self.device_name or 'the CPU'}"
+
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 

@@ -75,7 +75,7 @@ class Recorder:
         summary.update(limits.achieved(summary, nbytes, flops))
         self.metrics[name] = summary
         ctx = context.current()
-        ceil = limits.ceilings(ctx.device if t.timer != "cpu" else "cpu", ctx.profile.expect.peak_tflops)
+        ceil = limits.ceilings(ctx.device if t.timer != "cpu" else "cpu", ctx.expect.peak_tflops)
         bad = limits.implausible(summary, nbytes, flops, ceil)
         assert not bad, f"implausible measurement (timing bug?): {name}: {'; '.join(bad)}"
         return summary

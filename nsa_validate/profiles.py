@@ -124,7 +124,20 @@ class Profile:
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     suites: SuitesCfg = field(default_factory=SuitesCfg)
     expect: ExpectCfg = field(default_factory=ExpectCfg)
+    # GPUs of one family that differ (an H200's HBM is faster than an H100's): a substring of the
+    # device name -> expectations that replace the family's where they are set (not null)
+    expect_by_device: dict[str, ExpectCfg] = field(default_factory=dict)
     source: str = ""                             # the file it was read from (set on load)
+
+    def expectations(self, device_name: str | None) -> tuple[ExpectCfg, str | None]:
+        """The expectations for a GPU named ``device_name`` (None: the family's) and the
+        ``expect_by_device`` key that matched (the longest one contained in the name), if any."""
+        keys = [k for k in self.expect_by_device if device_name and k in device_name]
+        if not keys:
+            return self.expect, None
+        key = max(keys, key=len)
+        over = {f.name: getattr(self.expect_by_device[key], f.name) for f in dataclasses.fields(ExpectCfg)}
+        return dataclasses.replace(self.expect, **{k: v for k, v in over.items() if v is not None}), key
 
     def timeout(self, suite: str, default: int = 1800) -> int:
         return int(self.suites.timeout_s.get(suite, default))
@@ -288,9 +301,15 @@ def check_ranges(prof: Profile) -> None:
     positive_list("suites.decode.batches", d.batches)
     positive_list("suites.decode.effect_contexts", d.effect_contexts)
     dtypes("suites.decode.dtype", [d.dtype])
-    r = prof.expect.decode_dram_ratio_max
-    if r is not None and not r >= 1.0:
-        bad("expect.decode_dram_ratio_max", "a ratio >= 1 (DRAM bytes read / formula bytes) or null", r)
+    for where, exp in [("expect", prof.expect)] + [(f"expect_by_device.{k}", e) for k, e in prof.expect_by_device.items()]:
+        for f in dataclasses.fields(exp):
+            positive(f"{where}.{f.name}", getattr(exp, f.name))
+        r = exp.decode_dram_ratio_max
+        if r is not None and not r >= 1.0:
+            bad(f"{where}.decode_dram_ratio_max", "a ratio >= 1 (DRAM bytes read / formula bytes) or null", r)
+    for k in prof.expect_by_device:
+        if not k.strip():
+            bad("expect_by_device", "keyed by a non-empty part of a GPU's name", k)
     la = su.layer
     pairs("suites.layer.shapes", la.shapes)
     pairs("suites.layer.head_dims", la.head_dims)
@@ -299,8 +318,6 @@ def check_ranges(prof: Profile) -> None:
     if la.blocks not in ("paper", "tiny"):
         bad("suites.layer.blocks", "'paper' or 'tiny'", la.blocks)
     dtypes("suites.layer.dtype", [la.dtype])
-    for f in dataclasses.fields(prof.expect):
-        positive(f"expect.{f.name}", getattr(prof.expect, f.name))
 
 
 def auto_name(capability: tuple[int, int] | None) -> str:

@@ -38,3 +38,36 @@ def test_bad_profiles_name_the_field(tmp_path, text, needle):
 def test_missing_profile():
     with pytest.raises(UsageError, match="not found"):
         profiles.load("sm999")
+
+
+def test_expectations_per_device_name():
+    p = profiles.load("sm90")
+    h200, key = p.expectations("NVIDIA H200")
+    assert key == "H200" and h200.peak_bandwidth_gbs == 4800
+    assert h200.decode_roofline_min == p.expect.decode_roofline_min      # not overridden: the family's
+    h100, key = p.expectations("NVIDIA H100 80GB HBM3")
+    assert key is None and h100 is p.expect and h100.peak_bandwidth_gbs == 3350
+    assert p.expectations(None) == (p.expect, None)
+
+
+def test_longest_device_key_wins(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("name: x\nexpect: {peak_bandwidth_gbs: 1}\n"
+                 "expect_by_device: {H100: {peak_bandwidth_gbs: 2}, H100 PCIe: {peak_bandwidth_gbs: 3}}\n")
+    p = profiles.load(str(f))
+    assert p.expectations("NVIDIA H100 PCIe")[0].peak_bandwidth_gbs == 3
+    assert p.expectations("NVIDIA H100 80GB HBM3")[0].peak_bandwidth_gbs == 2
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("name: x\nexpect_by_device: {H200: {peak_bandwidth_gbs: -1}}\n", "expect_by_device.H200.peak_bandwidth_gbs"),
+    ("name: x\nexpect_by_device: {H200: {decode_dram_ratio_max: 0.9}}\n", "expect_by_device.H200.decode_dram_ratio_max"),
+    ("name: x\nexpect_by_device: {H200: {bandwidth: 1}}\n", "expect_by_device.H200.bandwidth"),
+    ("name: x\nexpect: {decode_dram_ratio_max: 0.5}\n", "expect.decode_dram_ratio_max"),
+], ids=["negative", "ratio-below-1", "unknown-field", "family-ratio-below-1"])
+def test_bad_device_expectations_name_the_field(tmp_path, text, needle):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(UsageError) as e:
+        profiles.load(str(f))
+    assert needle in str(e.value)
