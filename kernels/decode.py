@@ -446,8 +446,9 @@ class DecodeStep:
     write the new token's k/v at position pos, then ``decode_attention``. Buffers are allocated
     here, once; a call allocates nothing and never syncs with the host.
 
-    call: q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v], pos [B] int32 (device), gate
-    [B, H, 3] or None -> StepOut. The compressed cache is updated by the caller when a span
+    call: q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v] (None: already in the cache), pos
+    [B] int32 (device), gate [B, H, 3] or None -> StepOut (views into this step's workspace,
+    overwritten by the next call). The compressed cache is updated by the caller when a span
     completes (once every d steps; ``NSAAttention.decode`` does it)."""
 
     def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES) -> None:
@@ -457,11 +458,16 @@ class DecodeStep:
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
         assert cache.k.stride(2) == cfg.d_k and cache.v.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
 
-    def __call__(self, q, k_new, v_new, pos, gate=None) -> StepOut:
+    def __call__(self, q, k_new=None, v_new=None, *, pos, gate=None) -> StepOut:
+        c = self.cache
+        if k_new is not None:
+            self._append(k_new, v_new, pos)
+        return decode_attention(q, c.k, c.v, c.k_cmp, c.v_cmp, pos, self.cfg, branches=self.branches,
+                                gate=gate, ws=self.ws, p=self.plan)
+
+    def _append(self, k_new, v_new, pos) -> None:
         c, cfg = self.cache, self.cfg
         G = cfg.n_kv_heads
         _append_kernel[(k_new.shape[0],)](c.k, c.v, k_new.contiguous(), v_new.contiguous(), pos, c.k.stride(0),
                                           c.k.stride(1), c.v.stride(0), c.v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
                                           BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v))
-        return decode_attention(q, c.k, c.v, c.k_cmp, c.v_cmp, pos, self.cfg, branches=self.branches,
-                                gate=gate, ws=self.ws, p=self.plan)

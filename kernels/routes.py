@@ -161,12 +161,18 @@ for _backend in ("auto", *fa2.BACKENDS):
 
 
 # -- decode step ------------------------------------------------------------------------------
-def decode_step(cfg: NSAConfig, q, cache, t: int):
-    """q [B, H, d_k] of token t (already appended to ``cache``) -> ({branch: o [B, H, d_v]},
-    {branch: reads [B, G]}, idx [B, G, n]) from the Triton decode kernels, selection included."""
-    pos = torch.full((q.shape[0],), t, dtype=torch.int32, device=q.device)
-    r = decode.decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, cfg)
-    return r.out, {br: x.long() for br, x in r.reads.items()}, r.idx.long()
+def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
+    """q [B, H, d_k] of token t = cache.pos (its k/v already appended to ``cache``) -> ({branch:
+    o [B, H, d_v]}, {branch: reads [B, G] int64}, idx [B, G, n] int64 or None) from the Triton
+    decode kernels, selection included. The ``DecodeStep`` (plan and workspace) is made once per
+    cache and branch set; what is returned is copied out of its workspace (the next step reuses it)."""
+    key = ("triton", tuple(branches))
+    step = cache.kernel_state.get(key)
+    if step is None:
+        step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches)
+    r = step(q, pos=cache.pos)
+    return (r.out, {br: x.long() for br, x in r.reads.items()},
+            r.idx.long() if r.idx is not None else None)
 
 
 routing.register("decode", "step", "triton", decode_step, triton_unavailable)

@@ -6,7 +6,10 @@ compression span completes. Nothing is re-concatenated per step.
 
 Buffers are created filled with NaN: a branch that reads a row nobody wrote produces NaN in
 its output, which every suite checks for. Layouts: k [B, T_max, G, d_k], v [B, T_max, G, d_v],
-k_cmp [B, N_max, G, d_k], v_cmp [B, N_max, G, d_v]. All batch rows share one position.
+k_cmp [B, N_max, G, d_k], v_cmp [B, N_max, G, d_v]. All batch rows share one position: ``length``
+on the host, and ``pos`` [B] int32 on the device (the position of the token appended last, the t
+a decode kernel reads without asking the host). ``kernel_state`` holds what a decode
+implementation sets up once per cache (the Triton step's plan and workspace), not per token.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ class DecodeCache:
         self.k_cmp = torch.full((batch, n_max, G, cfg.d_k), nan, device=device, dtype=dtype)
         self.v_cmp = torch.full((batch, n_max, G, cfg.d_v), nan, device=device, dtype=dtype)
         self.length = 0
-        self.reads: dict[str, torch.Tensor] = {}   # per branch [B, G], set by each decode step
-        self.idx: torch.Tensor | None = None       # [B, G, n] blocks selected by the last step
+        self.pos = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.kernel_state: dict = {}
 
     @property
     def n_cmp(self) -> int:
@@ -48,6 +51,7 @@ class DecodeCache:
         N = k_cmp.shape[1]
         self.k_cmp[:, :N], self.v_cmp[:, :N] = k_cmp, v_cmp
         self.length = S
+        self.pos.fill_(S - 1)
 
     def append(self, k, v) -> tuple[int, int] | None:
         """Write token t = length (k [B, 1, G, d_k], v likewise). Returns the raw span
@@ -56,8 +60,18 @@ class DecodeCache:
         t = self.length
         self.k[:, t:t + 1], self.v[:, t:t + 1] = k, v
         self.length = t + 1
+        self.pos.fill_(t)                  # a fill kernel with t as its argument: no copy, no sync
         cfg = self.cfg
         if t + 1 >= cfg.cmp_len and (t + 1 - cfg.cmp_len) % cfg.cmp_stride == 0:
             start = t + 1 - cfg.cmp_len
             return start, t + 1
         return None
+
+    def copy_rows(self, n: int, row: int = 0) -> "DecodeCache":
+        """A new cache of n identical batch rows, each a copy of row ``row`` (same length)."""
+        c = DecodeCache.__new__(DecodeCache)
+        c.cfg, c.max_len, c.length, c.kernel_state = self.cfg, self.max_len, self.length, {}
+        for name in ("k", "v", "k_cmp", "v_cmp"):
+            setattr(c, name, getattr(self, name)[row:row + 1].repeat(n, 1, 1, 1))
+        c.pos = self.pos[row:row + 1].repeat(n)
+        return c

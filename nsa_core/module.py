@@ -10,6 +10,8 @@ Shapes: x [B, S, D] -> out [B, S, D]; H = G·h query heads of size d_k, G KV hea
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,6 +28,16 @@ RECOMPUTE_PHI_FROM = 2 ** 25
 """Elements of φ's MLP input (B·N·G·l·dd) from which the training forward recomputes it in the
 backward instead of keeping it (with the paper's l=32, d=16 and G=4: from 64k tokens at d 128,
 6.7e7; 32k tokens have 3.35e7, just under)."""
+
+
+@dataclass
+class StepInfo:
+    """What one decode step read, from the tensors and indices it used (not from the formula):
+    reads[branch] [B, G] int64 tokens per KV head (compressed tokens for cmp), for the branches
+    that ran; idx [B, G, n] int64 the blocks it selected (ascending, −1 padded; None when the
+    selection branch did not run)."""
+    reads: dict[str, torch.Tensor]
+    idx: torch.Tensor | None
 
 
 class Compressor(nn.Module):
@@ -198,11 +210,13 @@ class NSAAttention(nn.Module):
         cache.write_prefill(k, v, self.cmp_k(k), self.cmp_v(v))
 
     # -- decode --------------------------------------------------------------------------
-    def decode(self, x: torch.Tensor, cache: DecodeCache, *, only: str | None = None) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache: DecodeCache, *,
+               only: str | None = None) -> tuple[torch.Tensor, StepInfo]:
         """One decode step: x [B, 1, D] is token t = cache.length. Appends it to the cache and
-        returns o_t [B, 1, D], exactly row t of a prefill over tokens 0..t.
-        Sets ``cache.reads[branch]`` [B, G]: KV tokens the branch read, from the tensors it used,
-        and ``cache.idx`` [B, G, n]: the blocks this step selected."""
+        returns (o_t [B, 1, D], exactly row t of a prefill over tokens 0..t, and the step's
+        ``StepInfo``: what each branch read and the blocks it selected). On the Triton route the
+        step's plan and buffers are set up once per cache (``cache.kernel_state``) and the
+        position is read on the device (``cache.pos``)."""
         cfg = self.cfg
         q, k, v = self.project(x)
         t = cache.length
@@ -217,21 +231,19 @@ class NSAAttention(nn.Module):
         if route.backend != "torch":      # one fused step for the three branches (kernels/decode.py)
             impl, _ = routing.lookup("decode", "step", route.backend)
             with routing.profiler_range("decode", "step"):
-                outs, reads, cache.idx = impl(cfg=cfg, q=q[:, 0], cache=cache, t=t)
-            cache.reads = {br: reads[br] for br in want}
-            return self.mix(g, {br: outs[br][:, None] for br in want})
+                outs, reads, idx = impl(cfg=cfg, q=q[:, 0], cache=cache, branches=want)
+            return self.mix(g, {br: outs[br][:, None] for br in want}), StepInfo(reads, idx)
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
-        parts, reads = {}, {}
+        parts, reads, idx = {}, {}, None
         if "cmp" in want:
             parts["cmp"], used = tb.cmp_attention(q, Kc, Vc, cfg, start=t, phase="decode", want_used=True)
             reads["cmp"] = used[:, 0]
         if "sel" in want:
             idx = tb.select_blocks(q, Kc, cfg, start=t)
-            cache.idx = idx[:, 0]
             parts["sel"], used = tb.sel_attention(q, K, V, idx, cfg, start=t, phase="decode", want_used=True)
             reads["sel"] = used[:, 0]
+            idx = idx[:, 0]
         if "win" in want:
             parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase="decode", want_used=True)
             reads["win"] = used[:, 0]
-        cache.reads = reads
-        return self.mix(g, parts)
+        return self.mix(g, parts), StepInfo(reads, idx)

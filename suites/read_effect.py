@@ -46,7 +46,7 @@ def formula_sets(cfg: NSAConfig, t: int, blocks: torch.Tensor) -> dict[str, list
 
 
 def reported_sets(cfg: NSAConfig, t: int, reads: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, list[set[int]]]:
-    """What the step says it read (its ``cache.reads`` [1, G] and ``cache.idx`` [1, G, n]),
+    """What the step says it read (its ``StepInfo``: reads [1, G] per branch, idx [1, G, n]),
     as sets: the first reads[cmp] compressed tokens, the selected blocks up to t, the last
     reads[win] tokens."""
     G = idx.shape[1]
@@ -57,11 +57,7 @@ def reported_sets(cfg: NSAConfig, t: int, reads: dict[str, torch.Tensor], idx: t
 
 def copy_rows(cache: DecodeCache, n: int) -> DecodeCache:
     """A cache of n identical batch rows copied from row 0 of ``cache``."""
-    c = DecodeCache.__new__(DecodeCache)
-    c.cfg, c.max_len, c.length, c.reads, c.idx = cache.cfg, cache.max_len, cache.length, {}, None
-    for name in ("k", "v", "k_cmp", "v_cmp"):
-        setattr(c, name, getattr(cache, name)[:1].repeat(n, 1, 1, 1))
-    return c
+    return cache.copy_rows(n)
 
 
 def module_step(m: NSAAttention, x_t: torch.Tensor) -> Runner:
@@ -69,7 +65,7 @@ def module_step(m: NSAAttention, x_t: torch.Tensor) -> Runner:
     row of a cache, with the gate forced one-hot on ``branch``. Returns [n, 1, D] fp32."""
     def run(cache: DecodeCache, branch: str) -> torch.Tensor:
         with torch.no_grad():
-            return m.decode(x_t[:1].expand(cache.k.shape[0], -1, -1), cache, only=branch).float()
+            return m.decode(x_t[:1].expand(cache.k.shape[0], -1, -1), cache, only=branch)[0].float()
     return run
 
 

@@ -1,7 +1,7 @@
 """counters: decode read counters measured from what the decode step gathered == SPEC §3 formula.
 
 The decode step reports, per branch and KV head, how many KV tokens it attended over, counted
-from the slice and gather-index tensors it actually used (``cache.reads``). At the first and last
+from the slice and gather-index tensors it actually used (the ``StepInfo`` it returns). At the first and last
 step of each case (the last only for the paper layer; layers listed in ``effect_layers``) the
 reads are also measured by their effect (``suites.read_effect``): each
 token the formula says is read, perturbed alone, changes the output; every other cached token,
@@ -73,20 +73,20 @@ def test_reads_equal_formula_every_step(name, cfg, P, backend, record):
         for t in range(P, P + steps):
             before = read_effect.copy_rows(cache, 1) if t in effect_steps else None
             with record.capture() if t == P else contextlib.nullcontext() as first:
-                out = m.decode(x[:, t:t + 1], cache)
+                out, info = m.decode(x[:, t:t + 1], cache)
             log = first or log
             if before is not None:      # reads measured by their effect too (below)
-                reported = read_effect.reported_sets(cfg, t, cache.reads, cache.idx)
-                formula = read_effect.formula_sets(cfg, t, cache.idx[0])
+                reported = read_effect.reported_sets(cfg, t, info.reads, info.idx)
+                formula = read_effect.formula_sets(cfg, t, info.idx[0])
                 for g in range(cfg.n_kv_heads):
-                    assert len(reported["sel"][g]) == int(cache.reads["sel"][0, g]), (
+                    assert len(reported["sel"][g]) == int(info.reads["sel"][0, g]), (
                         f"t={t}: the step's selected blocks hold {len(reported['sel'][g])} tokens up to t, "
-                        f"its sel counter says {int(cache.reads['sel'][0, g])}")
+                        f"its sel counter says {int(info.reads['sel'][0, g])}")
                 pending.append((t, before, reported, formula))
             assert torch.isfinite(out).all(), f"non-finite decode output at t={t}"
             want = cfg.expected_reads(t)
             for br in BRANCHES:
-                got = cache.reads[br]
+                got = info.reads[br]
                 checked += got.numel()
                 if not bool((got == want[br]).all()):
                     mismatches.append(f"t={t} {br}: measured {got.unique().tolist()} != formula {want[br]}")
@@ -118,11 +118,11 @@ def test_paper_table4(S, backend, record):
     cache = DecodeCache(cfg, 1, S, device=DEV)
     with torch.no_grad(), record.capture() as log:
         m.fill_cache(x[:, :S - 1], cache)
-        out = m.decode(x[:, S - 1:S], cache)
+        out, info = m.decode(x[:, S - 1:S], cache)
     for br in BRANCHES:
         record.expect_ran(log, "decode", br, backend)
     assert torch.isfinite(out).all()
-    measured = {br: cache.reads[br].unique().tolist() for br in BRANCHES}
+    measured = {br: info.reads[br].unique().tolist() for br in BRANCHES}
     assert all(len(v) == 1 for v in measured.values()), f"reads differ across KV heads: {measured}"
     measured = {br: v[0] for br, v in measured.items()}
     total = sum(measured.values())

@@ -104,8 +104,9 @@ def test_decode_matches_oracle_rows(dt, record):
     with record.capture() as log:
         m(x[:, :P], cache=cache)
         for t in range(P, S):
-            steps.append(m.decode(x[:, t:t + 1], cache))
-            idx.append(cache.idx)
+            out, info = m.decode(x[:, t:t + 1], cache)
+            steps.append(out)
+            idx.append(info.idx)
     for br in BRANCHES:
         record.expect_ran(log, "decode", br, m.policy.decode_backend)
     full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)

@@ -92,9 +92,9 @@ def test_graph_step_writes_the_token_and_allocates_nothing():
         cache.write_prefill(k[:, :t], v[:, :t], m.cmp_k(k), m.cmp_v(v))      # token t not yet written
         step = DecodeStep(CFG, cache)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
-        r1 = step(q[:, t], k[:, t], v[:, t], pos)
+        r1 = step(q[:, t], k[:, t], v[:, t], pos=pos)
         ptr = r1.out["sel"].data_ptr()
-        r2 = step(q[:, t], k[:, t], v[:, t], pos)
+        r2 = step(q[:, t], k[:, t], v[:, t], pos=pos)
         assert r2.out["sel"].data_ptr() == ptr
         assert torch.equal(cache.k[:, t], k[:, t]) and torch.equal(cache.v[:, t], v[:, t])
         ref = reference.forward(m, x[:, :t + 1])
@@ -102,10 +102,15 @@ def test_graph_step_writes_the_token_and_allocates_nothing():
         assert compare(r2.out[br], ref[f"o_{br}"][:, t], None, dtype=torch.float32)["ok"], br
 
 
-def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads():
+def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkeypatch):
     """NSAAttention.decode routed to the kernel (profile decode_backend: triton): prefill 10 tokens,
-    decode the rest; every step's output equals oracle row t and its reads equal the formula."""
+    decode the rest; every step's output equals oracle row t and its reads equal the formula; the
+    step's plan and workspace are made once for the cache, not per token."""
+    from kernels import decode
     from nsa_core.routing import RoutingPolicy
+    made = []
+    real = decode.Workspace.__init__
+    monkeypatch.setattr(decode.Workspace, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
     torch.manual_seed(1)
     m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
     x = torch.randn(2, 90, CFG.d_model, device=DEV)
@@ -115,12 +120,14 @@ def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads():
     with torch.no_grad(), routing.capture() as log:
         m(x[:, :P], cache=cache)
         for t in range(P, 90):
-            steps.append(m.decode(x[:, t:t + 1], cache))
-            idx.append(cache.idx)
+            out, info = m.decode(x[:, t:t + 1], cache)
+            steps.append(out)
+            idx.append(info.idx)
             want = CFG.expected_reads(t)
             for br in ("cmp", "sel", "win"):
-                assert (cache.reads[br] == want[br]).all(), (t, br, cache.reads[br].tolist(), want[br])
+                assert (info.reads[br] == want[br]).all(), (t, br, info.reads[br].tolist(), want[br])
     assert all(log.ran("decode", br, "triton") == 90 - P for br in ("cmp", "sel", "win"))
+    assert len(made) == 1, f"{len(made)} workspaces for {90 - P} steps on one cache"
     full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)
     ref = reference.forward(m, x, idx=full_idx)["out"][:, P:]
     r = compare(torch.cat(steps, 1), ref, None, dtype=torch.float32)

@@ -60,7 +60,7 @@ def test_prefill_then_decode_equals_one_prefill_row_by_row():
     full = reference.forward(m, x)["out"]
     cache = DecodeCache(cfg, 2, 50)
     pre = m(x[:, :17], cache=cache)
-    rows = [m.decode(x[:, t:t + 1], cache) for t in range(17, 50)]
+    rows = [m.decode(x[:, t:t + 1], cache)[0] for t in range(17, 50)]
     got = torch.cat([pre] + rows, 1)
     torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
 

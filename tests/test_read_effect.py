@@ -36,11 +36,11 @@ def _check(branch, tamper=None):
     with torch.no_grad():
         m.fill_cache(x[:, :P], cache)
         before = read_effect.copy_rows(cache, 1)
-        m.decode(x[:, P:], cache)
-    reported = read_effect.reported_sets(CFG, P, cache.reads, cache.idx)
+        _, info = m.decode(x[:, P:], cache)
+    reported = read_effect.reported_sets(CFG, P, info.reads, info.idx)
     if tamper:
         tamper(reported)
-    formula = read_effect.formula_sets(CFG, P, cache.idx[0])
+    formula = read_effect.formula_sets(CFG, P, info.idx[0])
     n_cached = P if branch != "cmp" else CFG.n_cmp_total(P)
     return read_effect.check_step(read_effect.module_step(m, x[:, P:]), CFG, P, before, branch,
                                   reported[branch], formula[branch], n_cached)
