@@ -18,6 +18,11 @@ METRICS = {"dram__bytes_read.sum": "dram_read", "dram__bytes_write.sum": "dram_w
 UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 
 
+class NoCounterAccess(RuntimeError):
+    """ncu runs but may not read the GPU's performance counters (ERR_NVGPUCTRPERM: the driver
+    restricts them to admin users): a property of this machine, not of what is measured."""
+
+
 def unavailable() -> str | None:
     """Why ncu cannot count here (None: it can)."""
     import torch
@@ -35,6 +40,9 @@ def dram_bytes(argv: list[str], timeout_s: float = 600) -> pd.DataFrame:
     cmd = ["ncu", "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
            "--print-units", "base", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if "ERR_NVGPUCTRPERM" in proc.stdout + proc.stderr:
+        raise NoCounterAccess("ncu may not read this GPU's performance counters here (ERR_NVGPUCTRPERM: "
+                              "the driver restricts them to admin users)")
     try:
         df = parse(proc.stdout)
     except ValueError as e:

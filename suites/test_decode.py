@@ -286,8 +286,11 @@ def test_dram_reads(record, extra):
     want = LAYER.expected_reads(S - 1)
     formula = {br: roofline.bytes_read(want[br], LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
                for br in ("cmp", "sel", "win")}
-    df = ncu.dram_bytes([sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S),
-                         "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny"])
+    try:
+        df = ncu.dram_bytes([sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S),
+                             "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny"])
+    except ncu.NoCounterAccess as e:
+        pytest.skip(str(e))
     assert len(df) == len(STEP_LAUNCHES), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(STEP_LAUNCHES)}"
     shares = {1: formula["cmp"], 4: formula["sel"] + formula["win"]}
     for i, (row, what) in enumerate(zip(df.itertuples(), STEP_LAUNCHES)):

@@ -30,3 +30,13 @@ def test_parse_one_row_per_launch_in_bytes():
 def test_parse_refuses(text, why):
     with pytest.raises(ValueError, match=why):
         ncu.parse(text)
+
+
+def test_no_counter_permission_is_its_own_error(monkeypatch):
+    """ERR_NVGPUCTRPERM is a property of the machine (the suite skips with it), not a failed count."""
+    class Done:
+        returncode, stdout = 0, "==PROF== Connected\n==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"
+        stderr = ""
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **k: Done())
+    with pytest.raises(ncu.NoCounterAccess, match="ERR_NVGPUCTRPERM"):
+        ncu.dram_bytes(["python", "-c", "pass"])
