@@ -33,8 +33,22 @@ from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headli
                                  write_json)
 from suites import SUITES
 
+HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="Hardware validation harness for Native Sparse Attention.")
+                  context_settings=HELP_FLAGS, help="Hardware validation harness for Native Sparse Attention.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from nsa_validate import __version__
+        print(f"nsa-validate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Hardware validation harness for Native Sparse Attention."""
 class _Stderr:
     """sys.stderr for rich, minus failures: a closed terminal (SIGHUP) or a dead pipe (`| tee`
     killed by Ctrl-C) must not stop the run from writing its folder."""
@@ -218,7 +232,7 @@ def _show_comparison(cmp: dict) -> None:
               f"{len(cmp['regressions'])} regression(s)")
 
 
-baseline_app = typer.Typer(no_args_is_help=True, help="Baselines for `compare` and `oneshot --baseline`.")
+baseline_app = typer.Typer(no_args_is_help=True, context_settings=HELP_FLAGS, help="Baselines for `compare` and `oneshot --baseline`.")
 app.add_typer(baseline_app, name="baseline")
 
 
@@ -273,7 +287,7 @@ def _load_run(run_dir: Path) -> dict:
         raise UsageError(f"{res_path}: unreadable results ({e})") from None
 
 
-profile_app = typer.Typer(no_args_is_help=True, help="Profile tools.")
+profile_app = typer.Typer(no_args_is_help=True, context_settings=HELP_FLAGS, help="Profile tools.")
 app.add_typer(profile_app, name="profile")
 
 

@@ -31,6 +31,15 @@ def test_list_json():
     assert names == {"sanity", "triton", "fa2", "decode", "layer", "counters"}
 
 
+def test_version_and_short_help():
+    import nsa_validate
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"nsa-validate {nsa_validate.__version__}"
+    for args in (("-h",), ("suite", "-h"), ("baseline", "-h"), ("profile", "suggest", "-h")):
+        r = cli(*args)
+        assert r.returncode == 0 and "Usage:" in r.stdout, (args, r.stdout[-300:], r.stderr[-300:])
+
+
 def test_env_json_on_stdout_tables_on_stderr():
     r = cli("env", "--json")
     assert r.returncode in (0, 3)
