@@ -161,7 +161,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
 def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
                    H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr, CP: tl.constexpr,
                    NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
-                   NBT_P: tl.constexpr, NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr):
+                   NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr):
     """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP]."""
     bg = tl.program_id(0)
     rows = tl.arange(0, BH)
@@ -418,7 +418,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
         BJ = min(NBP, SCORE_BLOCKS)
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
-                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, NBP=NBP, BJ=BJ,
+                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
                                         OVT=triton.cdiv(p.nbt, p.tb), num_warps=4)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),

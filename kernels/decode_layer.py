@@ -36,7 +36,7 @@ class LayerDecodeStep:
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, c, cfg = self.m, self.cache, self.m.cfg
+        m, c = self.m, self.cache
         if c.length >= c.max_len:
             raise ValueError(f"DecodeCache full: {c.length} + 1 > max_len {c.max_len}")
         B = x.shape[0]

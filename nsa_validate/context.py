@@ -6,6 +6,7 @@ auto-selected profile, the current device), so the CLI and pytest run the same t
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,21 +27,25 @@ class RunContext:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @property
+    @functools.cached_property
     def device_name(self) -> str | None:
         if self.device != "cuda":
             return None
         import torch
         return torch.cuda.get_device_name(self.gpu_index if self.gpu_index is not None else torch.cuda.current_device())
 
+    @functools.cached_property
+    def _expectations(self) -> tuple[profiles.ExpectCfg, str | None]:
+        return self.profile.expectations(self.device_name)
+
     @property
     def expect(self) -> profiles.ExpectCfg:
-        """The profile's expectations for this GPU (``Profile.expectations``)."""
-        return self.profile.expectations(self.device_name)[0]
+        """The profile's expectations for this GPU (``Profile.expectations``), looked up once."""
+        return self._expectations[0]
 
     def expect_note(self) -> str:
         """Where the expectations come from, for the report."""
-        _, key = self.profile.expectations(self.device_name)
+        key = self._expectations[1]
         where = f"the {self.profile.name} family" + (f" with its '{key}' overrides (expect_by_device)" if key else "")
         return f"expectations: {where}, on {self.device_name or 'the CPU'}"
 

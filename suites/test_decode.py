@@ -280,9 +280,9 @@ def test_dram_reads(record, extra):
     for br in ("cmp", "sel", "win"):
         record.expect_ran(log, "decode", br, "triton")
     del cache
-    per_token = (LAYER.d_k + LAYER.d_v) * DTYPE.itemsize
-    counted = {br: int(r.reads[br].sum()) * per_token for br in ("cmp", "sel", "win")}
-    distinct = (int(r.reads["cmp"].sum()) + _distinct_raw_tokens(r.idx, S - 1)) * per_token
+    nbytes = lambda tokens: roofline.bytes_read(tokens, LAYER.d_k, LAYER.d_v, DTYPE.itemsize, 1, 1)  # noqa: E731
+    counted = {br: nbytes(int(r.reads[br].sum())) for br in ("cmp", "sel", "win")}     # summed over B and G
+    distinct = nbytes(int(r.reads["cmp"].sum()) + _distinct_raw_tokens(r.idx, S - 1))
     want = LAYER.expected_reads(S - 1)
     formula = {br: roofline.bytes_read(want[br], LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
                for br in ("cmp", "sel", "win")}
