@@ -28,6 +28,14 @@ COLUMNS = {
     "speedup_vs_dense": "the faster same-bytes dense decode (dense_sdpa_ms, dense_flash_attn_ms) / step_ms",
     "speedup_vs_padded": "dense_flash_attn_padded_ms / step_ms (flattering: that dense decode reads more bytes)",
     "expected_speedup": "paper Table 4: dense tokens / NSA tokens read per step, S / (cmp + sel + win)",
+    "layer_ms": "the whole NSA layer's decode step (q/k/v projections, append, φ, gate, the step above, "
+                "output projection; kernels.decode_layer.LayerDecodeStep) graph-replayed at position S−1",
+    "layer_p20_ms": "20th percentile of the layer step samples", "layer_p80_ms": "80th percentile",
+    "dense_sdpa_layer_ms": "the dense layer's decode step: q/k/v projections, dense_sdpa_ms's attention, "
+                           "output projection (graph-replayed)",
+    "dense_flash_attn_layer_ms": "the same with dense_flash_attn_ms's attention (same-bytes head dim for "
+                                 "the projections too)",
+    "layer_speedup_vs_dense": "the faster dense layer step / layer_ms: the decode speedup a user of the layer sees",
     "tokens_read": "tokens per KV head the step read (cmp + sel + win), from the kernel's own counters",
     "bytes": "tokens_read × (d_k + d_v) × bytes/elem × G × B",
     "achieved_gbs": "bytes / step_ms", "pct_copy_bw": "achieved / measured device copy bandwidth, %",
@@ -57,6 +65,10 @@ def finish(rows: list[dict], extra, notes: list[str] = ()) -> pd.DataFrame:
             "x dense (same bytes)": _f(r["speedup_vs_dense"], 2),
             "dense flash-attn, v padded": _f(r["dense_flash_attn_padded_ms"]),
             "x padded dense": _f(r["speedup_vs_padded"], 2), "paper expected x": _f(r["expected_speedup"], 2),
+            "NSA layer step": _f(r["layer_ms"]),
+            "dense layer step": _f(min(v for v in (r["dense_sdpa_layer_ms"], r["dense_flash_attn_layer_ms"])
+                                       if v is not None and not math.isnan(v))),
+            "x dense layer": _f(r["layer_speedup_vs_dense"], 2),
             "tokens": r["tokens_read"], "GB/s": _f(r["achieved_gbs"], 0),
             "% copy bw": _f(r["pct_copy_bw"], 1), "% spec bw": _f(r["pct_spec_bw"], 1),
             "launch-bound": ("yes: " + r["launch_bound_why"]) if r["launch_bound"] else "no"})

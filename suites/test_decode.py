@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import sys
 
@@ -116,63 +115,56 @@ def _reads_by_effect(decode, cache, new, r, t):
             for br in ("cmp", "sel", "win")}
 
 
+def test_layer_step(record):
+    """The whole layer's decode step users capture (``kernels.decode_layer.LayerDecodeStep``:
+    projections, append, φ, gate, the three branches + gated mix, output projection), replayed from
+    one CUDA graph on a GPU, eager elsewhere: after a prefill of P tokens each of 2·d + 3 steps (φ
+    completes spans in between) equals the fp32 oracle's row t of the whole layer, given the blocks
+    each step selected (the selection itself is checked against the oracle in ``parity``)."""
+    from nsa_core import DecodeCache, reference
+    _require()
+    from kernels.decode_layer import LayerDecodeStep
+    cfg = LAYER
+    B, P, N = 2, 3 * cfg.block_size + 5, 2 * cfg.cmp_stride + 3
+    m = decode_bench.nsa_layer(cfg, DTYPE, DEV, seed=11)
+    x = torch.randn(B, P + N, cfg.d_model, device=DEV).to(DTYPE)
+    cache = DecodeCache(cfg, B, P + N, device=DEV, dtype=DTYPE)
+    outs, idx = [], []
+    with torch.no_grad(), record.capture() as log:
+        m(x[:, :P], cache=cache)
+        step = LayerDecodeStep(m, cache)
+        outs.append(step(x[:, P:P + 1]).clone())                 # eager: compiles, warms up
+        idx.append(step.last.idx.clone())
+        if GPU:
+            buf = x[:, P + 1:P + 2].clone()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = step(buf)
+            step.seek(P + 1)                                      # the capture ran the host's bookkeeping once
+            run = lambda xt: (buf.copy_(xt), g.replay(), out)[2]  # noqa: E731
+        else:
+            run = step
+        for t in range(P + 1, P + N):
+            outs.append(run(x[:, t:t + 1]).clone())
+            idx.append(step.last.idx.clone())
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)
+    ref32 = reference.forward(m, x, idx=full_idx)
+    ref_lp = reference.forward(m, x, idx=full_idx, dtype=DTYPE) if DTYPE != torch.float32 else None
+    record.metrics.update(prefill=P, steps=N, graph=GPU)
+    record.check("layer_rows", torch.cat(outs, 1), ref32["out"][:, P:], ref_lp and ref_lp["out"][:, P:], dtype=DTYPE)
+    n = cfg.n_cmp_total(P + N)
+    assert torch.isfinite(cache.k_cmp[:, :n]).all() and torch.isfinite(cache.v_cmp[:, :n]).all(), \
+        "a compressed slot of a completed span was left unwritten"
+    record.assert_ok()
+
+
 # -- bench ----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def copy_gbs():
     """Device copy bandwidth (GB/s, read + write) from 1 GiB → 1 GiB copies; None without a GPU."""
     return limits.measured_bandwidth()[0] if GPU else None
-
-
-def _dense_sdpa(cache, new):
-    """append + SDPA over the whole cache. The h query heads of a group are the rows of one query
-    block over that group's K/V (exact for a single new token: it attends to every cached token)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    B, G, h = cache.k.shape[0], LAYER.n_kv_heads, LAYER.heads_per_group
-    rows, at = torch.arange(B, device=DEV), new["pos"].long()
-    q = new["q"].view(B, G, h, -1)
-    k, v = cache.k.transpose(1, 2), cache.v.transpose(1, 2)                     # [B, G, S, d] views
-
-    # on a GPU only fused backends (a silent fallback to the math path would flatter NSA); a CPU has
-    # only the math path
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] if GPU \
-        else [SDPBackend.MATH]
-
-    def run():
-        cache.k[rows, at], cache.v[rows, at] = new["k_new"], new["v_new"]
-        with sdpa_kernel(allowed):
-            return F.scaled_dot_product_attention(q, k, v, scale=LAYER.scale)
-    return run
-
-
-SAME_D = 8 * -(-(LAYER.d_k + LAYER.d_v) // 16)       # (d_k + d_v)/2 as a multiple of 8: FA-2's head dim
-
-
-def _dense_flash_attn(cache, new, padded: bool):
-    """append + flash_attn_with_kvcache over the whole cache; FA-2 takes one head dim for q, k, v.
-    ``padded``: the layer's k and v zero-padded to d_k (reads 2·d_k per token, more than the dense
-    layer needs); else, where d_k ≠ d_v, a cache at d = SAME_D for k and v: the same K+V bytes per
-    token as the dense layer (d_k + d_v), on flash-attn's kernel."""
-    try:
-        from flash_attn import flash_attn_with_kvcache
-    except Exception:
-        return None
-    B = cache.k.shape[0]
-    rows, at = torch.arange(B, device=DEV), new["pos"].long()
-    seqlens = new["pos"] + 1
-    if padded or LAYER.d_k == LAYER.d_v:
-        k, v = cache.k, F.pad(cache.v, (0, LAYER.d_k - LAYER.d_v))
-        q, k_new, v_new = new["q"], new["k_new"], F.pad(new["v_new"], (0, LAYER.d_k - LAYER.d_v))
-    else:
-        g = torch.Generator(device=DEV).manual_seed(B)
-        rnd = lambda *s: torch.randn(*s, device=DEV, generator=g).to(DTYPE)  # noqa: E731
-        k, v = rnd(*cache.k.shape[:3], SAME_D), rnd(*cache.v.shape[:3], SAME_D)
-        q, k_new, v_new = rnd(B, LAYER.n_heads, SAME_D), rnd(B, LAYER.n_kv_heads, SAME_D), rnd(B, LAYER.n_kv_heads, SAME_D)
-    q = q.view(B, 1, LAYER.n_heads, -1)
-
-    def run():
-        k[rows, at], v[rows, at] = k_new, v_new
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=LAYER.scale)
-    return run
 
 
 def _time(fn, graph):
@@ -186,6 +178,7 @@ BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches for S in CFG.c
 @pytest.mark.parametrize("B,S", profile_cases(BENCH, "decode", "contexts", 2))
 def test_bench(B, S, record, copy_gbs):
     decode = _require()
+    from kernels.decode_layer import LayerDecodeStep
     cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
     step = decode.DecodeStep(LAYER, cache)
     with torch.no_grad(), record.capture() as log:
@@ -196,6 +189,11 @@ def test_bench(B, S, record, copy_gbs):
     want = LAYER.expected_reads(S - 1)
     assert reads == {br: [want[br]] for br in reads}, f"measured reads {reads} != formula {want}"
     tokens = sum(want.values())
+    # the whole layer's step, replayed at position S−1 every time (seek is part of the captured work)
+    m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
+    layer = LayerDecodeStep(m, cache)
+    x = torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE)
+    dense = decode_bench.dense_decodes(LAYER, cache, DTYPE, DEV, flash_attn=_has_flash_attn())
     t = {}
     with torch.no_grad():
         t["eager"] = _time(lambda: step(**new), graph=False)
@@ -204,46 +202,58 @@ def test_bench(B, S, record, copy_gbs):
         for br in ("cmp", "sel", "win"):
             alone = decode.DecodeStep(LAYER, cache, branches=(br,))
             t[br] = _time(lambda: alone(**new), graph=True)
-        dense = {"sdpa": _dense_sdpa(cache, new), "flash_attn": _dense_flash_attn(cache, new, padded=False)}
-        if LAYER.d_v != LAYER.d_k:
-            dense["flash_attn_padded"] = _dense_flash_attn(cache, new, padded=True)
-        for name, fn in dense.items():
-            if fn is not None:
+        t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True)
+        for name, dd in dense.items():
+            for what, fn in (("", dd.attend), ("_layer", lambda: dd.layer(x))):
+                if what and name.endswith("_padded"):
+                    continue
                 with evidence.observe(DEV) as klog:
                     fn()
-                record.expect_kernels(klog, f"decode/dense_{name}", "sdpa_fused" if name == "sdpa" else "flash_attn")
-                t[f"dense_{name}"] = _time(fn, graph=True)
-    # the least each timing must read from DRAM: its branches' tokens (the formula), or the cache
-    nbytes = roofline.bytes_read(tokens, LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
-    least = {"eager": nbytes, "graph": nbytes,
-             **{br: roofline.bytes_read(want[br], LAYER.d_k, LAYER.d_v, DTYPE.itemsize, LAYER.n_kv_heads, B)
-                for br in ("cmp", "sel", "win")},
-             **{k: roofline.bytes_read(S, LAYER.d_k, LAYER.d_k if k.endswith("_padded") else LAYER.d_v,
-                                       DTYPE.itemsize, LAYER.n_kv_heads, B)
-                for k in t if k.startswith("dense_")}}
+                record.expect_kernels(klog, f"decode/dense_{name}{what}", "sdpa_fused" if name == "sdpa" else "flash_attn")
+                t[f"dense_{name}{what}"] = _time(fn, graph=True)
+    # the least each timing must read from DRAM: its branches' tokens (the formula), or the cache,
+    # and for whole layers their weights too
+    kv = lambda n, dv=LAYER.d_v: roofline.bytes_read(n, LAYER.d_k, dv, DTYPE.itemsize, LAYER.n_kv_heads, B)  # noqa: E731
+    nbytes = kv(tokens)
+    weights = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
+    least = {"eager": nbytes, "graph": nbytes, "layer": nbytes + weights(m),
+             **{br: kv(want[br]) for br in ("cmp", "sel", "win")},
+             **{f"dense_{k}": kv(S, LAYER.d_k if k.endswith("_padded") else LAYER.d_v) for k in dense},
+             **{f"dense_{k}_layer": kv(S) + weights(dd.proj) for k, dd in dense.items()}}
     for name, tm in t.items():
         record.timing(name, tm, nbytes=least[name])
     main = t.get("graph", t["eager"])
     gbs = roofline.achieved_gbs(nbytes, main.median_ms)
     # the headline compares with dense decodes that read the dense layer's bytes, never the padded one
+    ms = lambda k: t[k].median_ms if k in t else None  # noqa: E731
     dense_ms = min(t[k].median_ms for k in ("dense_sdpa", "dense_flash_attn") if k in t)
+    dense_layer_ms = min(t[k].median_ms for k in ("dense_sdpa_layer", "dense_flash_attn_layer") if k in t)
     spec = CTX.expect.peak_bandwidth_gbs
     row = {"B": B, "S": S, "timer": main.timer, "step_ms": main.median_ms, "step_p20_ms": main.p20_ms,
-           "step_p80_ms": main.p80_ms, "eager_ms": t["eager"].median_ms,
-           "graph_ms": t["graph"].median_ms if "graph" in t else None,
+           "step_p80_ms": main.p80_ms, "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"),
            **{f"{br}_ms": t[br].median_ms for br in ("cmp", "sel", "win")},
-           "dense_sdpa_ms": t["dense_sdpa"].median_ms,
-           "dense_flash_attn_ms": t["dense_flash_attn"].median_ms if "dense_flash_attn" in t else None,
-           "dense_flash_attn_padded_ms": t["dense_flash_attn_padded"].median_ms if "dense_flash_attn_padded" in t else None,
+           "dense_sdpa_ms": ms("dense_sdpa"), "dense_flash_attn_ms": ms("dense_flash_attn"),
+           "dense_flash_attn_padded_ms": ms("dense_flash_attn_padded"),
            "speedup_vs_dense": dense_ms / main.median_ms,
            "speedup_vs_padded": (t["dense_flash_attn_padded"].median_ms / main.median_ms
                                  if "dense_flash_attn_padded" in t else None),
            "expected_speedup": S / tokens,
+           "layer_ms": t["layer"].median_ms, "layer_p20_ms": t["layer"].p20_ms, "layer_p80_ms": t["layer"].p80_ms,
+           "dense_sdpa_layer_ms": ms("dense_sdpa_layer"), "dense_flash_attn_layer_ms": ms("dense_flash_attn_layer"),
+           "layer_speedup_vs_dense": dense_layer_ms / t["layer"].median_ms,
            "tokens_read": tokens, "bytes": nbytes, "achieved_gbs": gbs,
            "pct_copy_bw": 100 * gbs / copy_gbs if copy_gbs else None,
            "pct_spec_bw": 100 * gbs / spec if spec and GPU else None}
     ROWS.append(row)
     record.metrics["row"] = row
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return GPU
 
 
 def _distinct_raw_tokens(idx, t: int) -> int:

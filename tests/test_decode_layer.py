@@ -11,11 +11,15 @@ pytest.importorskip("triton")
 from kernels import routes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-CFG = tiny(d_model=32, n_kv_heads=2)
+CFGS = {"mlp": tiny(d_model=32, n_kv_heads=2),
+        # φ = mean, a span length that is no power of two
+        "mean-l6": tiny(d_model=32, n_kv_heads=2, compress="mean", cmp_len=6, cmp_stride=3)}
 
 
+@pytest.mark.parametrize("phi", list(CFGS))
 @pytest.mark.parametrize("prefill", [0, 21])
-def test_layer_step_equals_module_decode(prefill):
+def test_layer_step_equals_module_decode(prefill, phi):
+    CFG = CFGS[phi]
     why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
     if why:
         pytest.skip(f"Triton decode kernel cannot run here: {why}")

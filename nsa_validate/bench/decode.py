@@ -1,15 +1,21 @@
-"""The decode bench's inputs, shared by the ``decode`` suite and the Nsight Compute probe.
+"""The decode bench's workloads, shared by the ``decode`` suite and the Nsight Compute probe.
 
 ``make_inputs`` builds a decode cache of S tokens (random K/V and compressed K/V, NaN past them)
 and the new token's tensors; ``python -m nsa_validate.bench.decode`` runs one eager decode step on
 them between ``cudaProfilerStart``/``Stop``, the region ``ncu --profile-from-start off`` profiles
 (``nsa_validate.ncu``). Same seed, same inputs: the suite and the probe measure the same step.
+
+``nsa_layer`` + ``kernels.decode_layer.LayerDecodeStep`` are the whole NSA layer's decode step
+(projections, append, φ, gate, attention, output projection); ``DenseDecode`` is the dense
+layer's decode step it is judged against, attention alone or the whole layer.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_validate.tolerance import DTYPES
@@ -36,6 +42,101 @@ def make_inputs(cfg: NSAConfig, B: int, S: int, dtype: torch.dtype, device, seed
                gate=torch.rand(B, cfg.n_heads, 3, device=device, generator=g).to(dtype),
                pos=torch.full((B,), t, dtype=torch.int32, device=device))
     return c, new
+
+
+def nsa_layer(cfg: NSAConfig, dtype: torch.dtype, device, seed: int = 0):
+    """An ``NSAAttention`` with random weights whose decode runs on the Triton kernels."""
+    from nsa_core import NSAAttention
+    from nsa_core.routing import RoutingPolicy
+    torch.manual_seed(seed)
+    return NSAAttention(cfg, RoutingPolicy(decode_backend="triton")).to(device=device, dtype=dtype)
+
+
+def same_bytes_head_dim(cfg: NSAConfig) -> int:
+    """(d_k + d_v)/2 rounded up to a multiple of 8: one head dim for k and v (as FA-2 needs) that
+    reads the same K+V bytes per token as the dense layer's d_k + d_v."""
+    return 8 * -(-(cfg.d_k + cfg.d_v) // 16)
+
+
+class DenseDecode:
+    """A dense attention layer's decode step over a cache of S tokens (the new token at t = S−1):
+    the baseline NSA's decode is judged against. Same heads (H query, G KV) and model width D.
+
+    ``attention``: "sdpa" (``F.scaled_dot_product_attention``; on a GPU fused backends only, since a
+    silent fallback to the math path would flatter NSA) or "flash_attn" (``flash_attn_with_kvcache``).
+    Head dims ``d_qk`` for q and k, ``d_v`` for v; ``k``/``v`` [B, S, G, d] reuse existing buffers
+    (else random ones are made). ``attend()``: append the new token's k/v at t and attend over all
+    S tokens -> [B, H, d_v] (new token's q/k/v random, fixed); ``layer(x)``: x [B, 1, D] ->
+    q/k/v projections, append + attention, output projection -> [B, 1, D]."""
+
+    def __init__(self, cfg: NSAConfig, B: int, S: int, dtype, device, *, attention: str, d_qk: int,
+                 d_v: int, k=None, v=None, seed: int = 0) -> None:
+        self.cfg, self.attention, self.gpu = cfg, attention, torch.device(device).type == "cuda"
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_model
+        g = torch.Generator(device=device).manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, device=device, generator=g).to(dtype)  # noqa: E731
+        self.k = rnd(B, S, G, d_qk) if k is None else k
+        self.v = rnd(B, S, G, d_v) if v is None else v
+        self.new = (rnd(B, H, d_qk), rnd(B, G, d_qk), rnd(B, G, d_v))
+        self.rows = torch.arange(B, device=device)
+        self.at = torch.full((B,), S - 1, dtype=torch.long, device=device)
+        self.seqlens = torch.full((B,), S, dtype=torch.int32, device=device)
+        torch.manual_seed(seed)
+        self.proj = nn.ModuleDict(dict(q=nn.Linear(D, H * d_qk, bias=False), k=nn.Linear(D, G * d_qk, bias=False),
+                                       v=nn.Linear(D, G * d_v, bias=False), o=nn.Linear(H * d_v, D, bias=False)))
+        self.proj.to(device=device, dtype=dtype)
+        if attention == "flash_attn":
+            from flash_attn import flash_attn_with_kvcache
+            self._fa = flash_attn_with_kvcache
+        elif attention != "sdpa":
+            raise ValueError(f"attention must be 'sdpa' or 'flash_attn', got {attention!r}")
+
+    def attend(self, q=None, k_new=None, v_new=None) -> torch.Tensor:
+        if q is None:
+            q, k_new, v_new = self.new
+        B, H = q.shape[:2]
+        self.k[self.rows, self.at], self.v[self.rows, self.at] = k_new, v_new
+        if self.attention == "flash_attn":
+            return self._fa(q.view(B, 1, H, -1), self.k, self.v, cache_seqlens=self.seqlens,
+                            softmax_scale=self.cfg.scale).view(B, H, -1)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        G = self.cfg.n_kv_heads
+        allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] \
+            if self.gpu else [SDPBackend.MATH]
+        # the h query heads of a group are the rows of one query block over that group's K/V
+        # (exact for one new token: it attends to every cached token)
+        with sdpa_kernel(allowed):
+            o = F.scaled_dot_product_attention(q.view(B, G, H // G, -1), self.k.transpose(1, 2),
+                                               self.v.transpose(1, 2), scale=self.cfg.scale)
+        return o.reshape(B, H, -1)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, G = x.shape[0], self.cfg.n_heads, self.cfg.n_kv_heads
+        x = x[:, 0]
+        o = self.attend(self.proj["q"](x).view(B, H, -1), self.proj["k"](x).view(B, G, -1),
+                        self.proj["v"](x).view(B, G, -1))
+        return self.proj["o"](o.reshape(B, -1))[:, None]
+
+
+def dense_decodes(cfg: NSAConfig, cache, dtype, device, *, flash_attn: bool) -> dict[str, DenseDecode]:
+    """The dense baselines for a cache of S tokens (``make_inputs``'s):
+
+    * ``sdpa``: k at d_k, v at d_v, over the NSA cache's own K/V buffers: the dense layer's bytes;
+    * ``flash_attn`` (when ``flash_attn``): where d_k ≠ d_v, at ``same_bytes_head_dim`` for k and v
+      (the same K+V bytes on flash-attn's kernel);
+    * ``flash_attn_padded`` (when ``flash_attn`` and d_k ≠ d_v): v zero-padded to d_k, reading
+      2·d_k per token, more than the dense layer needs (a labelled second column, never the headline).
+    """
+    B, S = cache.k.shape[:2]
+    out = {"sdpa": DenseDecode(cfg, B, S, dtype, device, attention="sdpa", d_qk=cfg.d_k, d_v=cfg.d_v,
+                               k=cache.k, v=cache.v, seed=B)}
+    if flash_attn:
+        d = cfg.d_k if cfg.d_k == cfg.d_v else same_bytes_head_dim(cfg)
+        out["flash_attn"] = DenseDecode(cfg, B, S, dtype, device, attention="flash_attn", d_qk=d, d_v=d, seed=B + 1)
+        if cfg.d_k != cfg.d_v:
+            out["flash_attn_padded"] = DenseDecode(cfg, B, S, dtype, device, attention="flash_attn",
+                                                   d_qk=cfg.d_k, d_v=cfg.d_k, seed=B + 2)
+    return out
 
 
 def probe_seed(B: int, S: int) -> int:
