@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import enum
 import threading
 import time
 from pathlib import Path
@@ -84,6 +85,10 @@ OutOpt = typer.Option(None, "--out", help="root folder for run folders (default:
 StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run (unless --allow-skips lists it)")
 MaxRegOpt = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
                          help="slowdown (%) beyond the sample spread that fails")
+Level = enum.Enum("Level", {n: n for n in profiles.LEVELS}, type=str)   # typer shows the choices
+LevelOpt = typer.Option(Level(profiles.DEFAULT_LEVEL), "--level", case_sensitive=False,
+                        help="quick (~1 min: a parity case per kernel, one decode and one layer row) | "
+                             "standard (every suite and kernel path, ~5 min on an H100) | full (the profile's whole sweep)")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
@@ -133,18 +138,19 @@ def list_cmd(json_out: bool = JsonOpt) -> None:
 
 @app.command("suite")
 def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
-              profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt,
+              profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
               strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt) -> None:
     """Run the named suites."""
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
     raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False,
-                          allowed=_allow_list(allow_skips, strict)))
+                          allowed=_allow_list(allow_skips, strict), level=level.value))
 
 
 @app.command("oneshot")
-def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt, strict: bool = StrictOpt,
+def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
+                strict: bool = StrictOpt,
                 allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
                 keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken"),
                 baseline: Optional[Path] = typer.Option(None, "--baseline", help="run folder or baseline file to gate against"),
@@ -155,7 +161,7 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, out: Optional[str] = OutOpt
     base = compare.load(baseline) if baseline is not None else None
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
                           allowed=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
-                          n_gpus=_gpu_count(gpus)))
+                          n_gpus=_gpu_count(gpus), level=level.value))
 
 
 def _allow_list(path: Path | None, strict: bool) -> dict[str, str]:
@@ -494,31 +500,33 @@ class _Stop:
 
 def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
          allowed: dict[str, str] | None = None, baseline: dict | None = None,
-         max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1) -> int:
+         max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1,
+         level: str = profiles.DEFAULT_LEVEL) -> int:
     with _Stop() as stop:
         return _run_stoppable(stop, names, profile, out, strict, json_out, gate_env, allowed, baseline,
-                              max_regression, n_gpus)
+                              max_regression, n_gpus, level)
 
 
 def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str | None, strict: bool,
                    json_out: bool, gate_env: bool, allowed: dict[str, str] | None, baseline: dict | None,
-                   max_regression: float, n_gpus: int) -> int:
+                   max_regression: float, n_gpus: int, level: str) -> int:
     import socket
 
     import torch
 
-    prof = profiles.load(profile) if profile else profiles.auto_profile()
+    prof = profiles.load(profile, level) if profile else profiles.auto_profile(level)
     root = rundir.check_out(out)
     gpu = torch.cuda.is_available()
     device = "cuda" if prof.device == "cuda" and gpu else "cpu"
     rep = envcheck.collect()
     if baseline is not None:       # a baseline from another machine is refused before anything runs
-        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name), baseline)
+        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level), baseline)
     git = rundir.git_info()
     run_dir = rundir.create(root, git)
     shards = _shard(names, prof, n_gpus)
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
+                "level": prof.level,
                 "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
                 "ended": None, "status": "running", "allowed_skips": allowed or {},
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
@@ -586,7 +594,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         raise
     _show_verdict(res, run_dir)
     if json_out:
-        print(json.dumps({"run_dir": str(run_dir), "status": status, "verdict": res["verdict"],
+        print(json.dumps({"run_dir": str(run_dir), "status": status, "level": prof.level, "verdict": res["verdict"],
                           "suites": {n: {"status": s["status"], "counts": s["counts"]} for n, s in res["suites"].items()},
                           **({"comparison": {k: res["comparison"][k] for k in ("status", "regressions")}}
                              if res.get("comparison") else {})},
@@ -684,7 +692,8 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
     for name, why in v.get("not_exercised", {}).items():
         err.print(f"  [yellow]○[/] {name} not exercised: {escape(why)}")
     tt = v["totals"]
-    err.print(f"VERDICT: {escape(v.get('headline', v['status'].upper()))}{' (strict)' if v['strict'] else ''} · {tt['pass']} passed, "
+    level = res["manifest"].get("level") or compare.OLD_LEVEL
+    err.print(f"VERDICT: {escape(v.get('headline', v['status'].upper()))}{' (strict)' if v['strict'] else ''} · level {level} · {tt['pass']} passed, "
               f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}",
               highlight=False)
 

@@ -33,14 +33,18 @@ DEFAULT_MAX_REGRESSION_PCT = 10.0
 
 
 def machine_key(res: dict) -> dict:
-    """What a baseline is keyed by: the GPU model, its capability and the profile."""
-    return key_of(res.get("env") or {}, res["manifest"].get("profile"))
+    """What a baseline is keyed by: the GPU model, its capability, the profile and the level."""
+    return key_of(res.get("env") or {}, res["manifest"].get("profile"), res["manifest"].get("level") or OLD_LEVEL)
 
 
-def key_of(env: dict, profile: str | None) -> dict:
-    """``machine_key`` from an env report (``envcheck.EnvReport.to_dict()``) and a profile name."""
+# runs and baselines made before levels existed ran each profile's whole sweep, today's ``full``
+OLD_LEVEL = "full"
+
+
+def key_of(env: dict, profile: str | None, level: str) -> dict:
+    """``machine_key`` from an env report (``envcheck.EnvReport.to_dict()``), a profile name and level."""
     gpu = (env.get("facts") or {}).get("gpu") or {}
-    return {"gpu": gpu.get("name", "none (CPU)"), "sm": gpu.get("sm", "-"), "profile": profile}
+    return {"gpu": gpu.get("name", "none (CPU)"), "sm": gpu.get("sm", "-"), "profile": profile, "level": level}
 
 
 def timings(res: dict) -> dict[str, dict]:
@@ -124,6 +128,8 @@ def _check_baseline(data: dict) -> None:
             raise ValueError(f"{key}: missing or not a string")
     if data.get("profile") is not None and not isinstance(data["profile"], str):
         raise ValueError("profile: not a string")
+    if not isinstance(data.setdefault("level", OLD_LEVEL), str):
+        raise ValueError("level: not a string")
     if not isinstance(data.get("cases"), dict) or not all(isinstance(v, str) for v in data["cases"].values()):
         raise ValueError("cases: must map case ids to statuses")
     if not isinstance(data.get("timings"), dict):
@@ -167,11 +173,14 @@ def save(res: dict, run_dir: Path, name: str, path: Path) -> tuple[dict, Path | 
 
 
 def check_same_machine(run: dict, base: dict) -> None:
-    """Comparing timings across GPUs (or profiles) is meaningless: refuse with both keys named."""
+    """Comparing timings across GPUs, profiles or levels is meaningless: refuse with both keys named."""
     for k in ("gpu", "sm", "profile"):
         if run[k] != base[k]:
             raise UsageError(f"baseline is from another machine: {k} {base[k]!r} (baseline) vs {run[k]!r} (this run); "
                              f"compare against a baseline made on {run['gpu']} {run['sm']} with profile {run['profile']}")
+    if run["level"] != base["level"]:
+        raise UsageError(f"baseline is of level {base['level']!r}, this run of level {run['level']!r}: they run "
+                         f"different cases; compare like with like (--level {base['level']})")
 
 
 def compare(run: dict, base: dict, max_regression_pct: float = DEFAULT_MAX_REGRESSION_PCT) -> dict:

@@ -3,6 +3,11 @@
 A profile is parsed into typed dataclasses; an unknown field, a wrong type or a missing file is
 a ``UsageError`` that names the field. ``auto_profile`` picks the file for the GPU's compute
 capability (``sm90`` for 9.0, the nearest lower family otherwise, ``cpu`` without a GPU).
+
+Levels (``LEVELS``, like ``dcgmi diag -r``): a profile's ``suites`` are its ``full`` sweep; its
+``levels: {quick: {suites: …}, standard: {suites: …}}`` override parts of them (mappings merged
+key by key, anything else replaced). ``load(name, level)`` returns the profile at that level,
+with ``level`` set: it is recorded in every run, and runs of different levels are not compared.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from nsa_core.routing import RoutingPolicy
 from nsa_validate.errors import UsageError
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+LEVELS = ("quick", "standard", "full")
+DEFAULT_LEVEL = "standard"
 
 
 @dataclass
@@ -48,6 +55,9 @@ class TritonCfg:
     n_selected: int = 4                                           # n of the kernel-level cases
     varlen_lens: list[int] = field(default_factory=lambda: [0, 1, 17, 40])   # one packed batch
     long_seq_lens: list[int] = field(default_factory=list)      # parity on sampled rows (GPU)
+    # dtypes of the whole-module fwd+bwd case; None: fp32 and ``dtypes``. fp32 holds the layer to
+    # the fp32 floor, but its IEEE-precision kernels take ~2.5 min to compile on an H100
+    module_dtypes: list[str] | None = None
     prefill_paper_len: int | None = None                          # module prefill, paper config
     bench_seq_lens: list[int] = field(default_factory=list)
     route_seq_lens: list[int] = field(default_factory=list)      # Triton vs torch per routed stage (GPU)
@@ -128,6 +138,7 @@ class Profile:
     # device name -> expectations that replace the family's where they are set (not null)
     expect_by_device: dict[str, ExpectCfg] = field(default_factory=dict)
     source: str = ""                             # the file it was read from (set on load)
+    level: str = "full"                          # the level its suites were resolved at (set on load)
 
     def expectations(self, device_name: str | None) -> tuple[ExpectCfg, str | None]:
         """The expectations for a GPU named ``device_name`` (None: the family's) and the
@@ -188,8 +199,36 @@ def _build(cls, data: dict, prefix: str = ""):
         raise UsageError(f"{prefix or cls.__name__}: {e}") from None
 
 
-def load(name_or_path: str) -> Profile:
-    """A profile by name (``sm90``) or by path to a YAML file."""
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _at_level(data: dict, level: str) -> dict:
+    """The profile's raw mapping with ``levels[level]`` applied, ``levels`` itself dropped."""
+    if level not in LEVELS:
+        raise UsageError(f"level '{level}' is not one of {', '.join(LEVELS)}")
+    levels = data.pop("levels", None) or {}
+    if not isinstance(levels, dict):
+        raise UsageError("field 'levels' must be a mapping of level -> {suites: ...}")
+    for name, over in levels.items():
+        if name not in LEVELS or name == "full":
+            raise UsageError(f"field 'levels.{name}': a level to override must be quick or standard "
+                             "(full is the profile's own suites)")
+        if not isinstance(over, dict) or set(over) - {"suites"}:
+            raise UsageError(f"field 'levels.{name}' may only hold 'suites'")
+    over = levels.get(level) or {}
+    if over.get("suites"):
+        if not isinstance(over["suites"], dict):
+            raise UsageError(f"field 'levels.{level}.suites' must be a mapping")
+        data["suites"] = _merge(data.get("suites") or {}, over["suites"])
+    return data
+
+
+def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
+    """A profile by name (``sm90``) or by path to a YAML file, at ``level`` (``LEVELS``)."""
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = PROFILE_DIR / f"{name_or_path}.yaml"
@@ -206,7 +245,11 @@ def load(name_or_path: str) -> Profile:
         raise UsageError(f"profile {path.name}: malformed YAML{where}") from None
     if not isinstance(data, dict):
         raise UsageError(f"profile {path.name}: expected a mapping at top level")
+    if "level" in data:
+        raise UsageError(f"profile {path.name}: 'level' is chosen when the profile is loaded (--level), not in the file")
     try:
+        data = _at_level(data, level)
+        data["level"] = level
         prof = _build(Profile, data)
     except UsageError as e:
         raise UsageError(f"profile {path.name}: {e}") from None
@@ -285,6 +328,7 @@ def check_ranges(prof: Profile) -> None:
             bad(f"suites.counters.effect_layers[{i}]", "'tiny' or 'paper'", x)
     t = su.triton
     dtypes("suites.triton.dtypes", t.dtypes)
+    dtypes("suites.triton.module_dtypes", t.module_dtypes or [])
     pairs("suites.triton.head_dims", t.head_dims)
     for name in ("heads_per_group", "seq_lens", "long_seq_lens", "bench_seq_lens", "route_seq_lens"):
         positive_list(f"suites.triton.{name}", getattr(t, name))
@@ -334,7 +378,7 @@ def auto_name(capability: tuple[int, int] | None) -> str:
     return below[-1][1] if below else sorted(families)[0][1]
 
 
-def auto_profile() -> Profile:
+def auto_profile(level: str = DEFAULT_LEVEL) -> Profile:
     import torch
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return load(auto_name(cap))
+    return load(auto_name(cap), level)

@@ -35,7 +35,7 @@ def _header(res: dict) -> list[str]:
             ("python", facts.get("python")), ("torch", f"{facts.get('torch')} (CUDA {facts.get('torch_cuda') or '-'})"),
             ("triton", facts.get("triton")),
             ("flash-attn", fa.get("version") if fa.get("installed") else "not installed"),
-            ("commit", commit), ("profile", man.get("profile")), ("command", "`" + " ".join(man.get("command", [])) + "`"),
+            ("commit", commit), ("profile", f"{man.get('profile')}, level {man.get('level') or 'full'}"), ("command", "`" + " ".join(man.get("command", [])) + "`"),
             ("environment verdict", env.get("verdict", "-"))]
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
 

@@ -509,8 +509,9 @@ def _module_cfg() -> NSAConfig:
 # Its oracle value is fp32 roundoff, so only the max-abs bound is meaningful for it, not rel-RMS.
 STRUCTURAL_ZERO = {"cmp_k.fc2.bias"}
 
-# fp32 always: there the whole layer (kernel with IEEE fp32 dots) is held to the fp32 floor
-MODULE = [pytest.param(dt, S, id=f"{dt}-S{S}") for dt in dict.fromkeys(["fp32", *CFG.dtypes])
+# fp32 by default: there the whole layer (kernel with IEEE fp32 dots) is held to the fp32 floor
+MODULE = [pytest.param(dt, S, id=f"{dt}-S{S}")
+          for dt in (CFG.module_dtypes if CFG.module_dtypes is not None else dict.fromkeys(["fp32", *CFG.dtypes]))
           for S in CFG.seq_lens]
 
 

@@ -168,13 +168,18 @@ def _fa2_expected() -> str:
     return "pass" if any(fa2.unavailable(b, dtype=torch.bfloat16) is None for b in fa2.BACKENDS) else "skip"
 
 
+def out_level(r) -> str:
+    return json.loads(r.stdout)["level"]
+
+
 def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
     prof = _small_profile(tmp_path)
     for i in range(2):
         # the second run gates on the first inline (CPU timings are noise: a wide gate here)
         gate = ["--baseline", str(run_dirs(tmp_path / "runs")[0]), "--max-regression", "1000"] if i else []
-        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--json", *gate)
+        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--level", "quick", "--json", *gate)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert out_level(r) == "quick" and "· level quick ·" in r.stderr
         out = json.loads(r.stdout)
         for name in ("sanity", "counters", "layer"):
             assert out["suites"][name]["status"] == "pass", name

@@ -25,7 +25,8 @@ def _timing(median_ms: float, spread: float, seed: int) -> dict:
 
 
 def make_run(root: Path, name: str, step_ms: float = 0.142, spread: float = 0.01, gpu=H100, seed: int = 0,
-             parity: str = "pass", profile: str = "sm90", layer_fwd_ms: float | None = None) -> Path:
+             parity: str = "pass", profile: str = "sm90", layer_fwd_ms: float | None = None,
+             level: str | None = "standard") -> Path:
     d = root / name
     d.mkdir(parents=True)
     suites = {
@@ -47,7 +48,8 @@ def make_run(root: Path, name: str, step_ms: float = 0.142, spread: float = 0.01
                                 "dense_flash_attn_fwd": _timing(184.0, spread, seed + 4)})])
     res = {"schema_version": SCHEMA_VERSION,
            "manifest": {"started": "2026-11-21T00:00:00+00:00", "status": "complete", "commit": "abc1234",
-                        "dirty": False, "command": ["nsa-validate", "oneshot"], "profile": profile},
+                        "dirty": False, "command": ["nsa-validate", "oneshot"], "profile": profile,
+                        **({"level": level} if level else {})},
            "env": {"verdict": "ok", "facts": {"gpu": gpu, "torch": "2.11.0", "triton": "3.6.0"}},
            "suites": {n: s.to_dict() for n, s in suites.items()}, "verdict": verdict(suites, strict=False)}
     write_json(d / "results.json", res)
@@ -106,6 +108,17 @@ def test_baseline_file_roundtrip_and_another_gpu_is_refused(tmp_path):
     assert r.returncode == 0 and len(list(f.parent.glob("h100.json.bak-*"))) == 1
     r = cli("compare", str(make_run(tmp_path, "c", gpu=H200)), "--baseline", str(f))
     assert r.returncode == 2 and "another machine" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_runs_of_another_level_are_not_compared(tmp_path):
+    """quick and standard run different cases: a comparison would call the missing ones regressions."""
+    base = make_run(tmp_path, "std", level="standard")
+    r = cli("compare", str(make_run(tmp_path, "quick", level="quick")), "--baseline", str(base))
+    assert r.returncode == 2 and "level 'standard'" in r.stderr and "--level standard" in r.stderr, r.stderr
+    # a run from before levels existed ran the whole sweep: it is a `full` run
+    old = make_run(tmp_path, "old", level=None)
+    assert cli("compare", str(make_run(tmp_path, "full", level="full")), "--baseline", str(old)).returncode == 0
+    assert cli("compare", str(make_run(tmp_path, "std2", level="standard")), "--baseline", str(old)).returncode == 2
 
 
 @pytest.mark.parametrize("bad", ["missing-dir", "not-a-baseline"])

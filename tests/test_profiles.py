@@ -6,10 +6,34 @@ from nsa_validate.errors import UsageError
 SHIPPED = ["cpu", "sm80", "sm86", "sm89", "sm90", "sm100"]
 
 
+@pytest.mark.parametrize("level", profiles.LEVELS)
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_profiles_load(name):
-    p = profiles.load(name)
-    assert p.name == name and p.suites.sanity.dtypes
+def test_shipped_profiles_load(name, level):
+    p = profiles.load(name, level)
+    assert p.name == name and p.level == level and p.suites.sanity.dtypes
+
+
+def test_levels_override_the_full_sweep():
+    full, std, quick = (profiles.load("sm90", lv) for lv in ("full", "standard", "quick"))
+    assert full.suites.triton.dtypes == ["bf16", "fp16"] and std.suites.triton.dtypes == ["bf16"]
+    assert std.suites.triton.kv_heads == full.suites.triton.kv_heads        # not overridden: merged, kept
+    assert len(quick.suites.decode.contexts) == 1 < len(std.suites.decode.contexts) < len(full.suites.decode.contexts)
+    assert profiles.load("sm90").level == profiles.DEFAULT_LEVEL == "standard"
+
+
+@pytest.mark.parametrize("text,level,needle", [
+    ("name: x\n", "medium", "level 'medium' is not one of quick, standard, full"),
+    ("name: x\nlevels: {full: {suites: {}}}\n", "standard", "levels.full"),
+    ("name: x\nlevels: {quick: {routing: {}}}\n", "quick", "levels.quick' may only hold 'suites'"),
+    ("name: x\nlevels: {quick: {suites: {sanity: {batchh: 1}}}}\n", "quick", "suites.sanity.batchh"),
+    ("name: x\nlevel: quick\n", "quick", "chosen when the profile is loaded"),
+], ids=["unknown-level", "full-overridden", "not-suites", "unknown-field", "level-in-file"])
+def test_bad_levels_are_usage_errors(tmp_path, text, level, needle):
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    with pytest.raises(UsageError) as e:
+        profiles.load(str(f), level)
+    assert needle in str(e.value), str(e.value)
 
 
 def test_auto_name():
