@@ -80,6 +80,7 @@ class DecodeCfg:
     # parity contexts whose reads are also measured by effect (suites/read_effect.py): a cache
     # copy per perturbed token, so the shortest context
     effect_contexts: list[int] = field(default_factory=lambda: [256])
+    bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
 
 
 @dataclass
@@ -344,6 +345,7 @@ def check_ranges(prof: Profile) -> None:
     positive_list("suites.decode.contexts", d.contexts)
     positive_list("suites.decode.batches", d.batches)
     positive_list("suites.decode.effect_contexts", d.effect_contexts)
+    positive_list("suites.decode.bench_contexts", d.bench_contexts or [])
     dtypes("suites.decode.dtype", [d.dtype])
     for where, exp in [("expect", prof.expect)] + [(f"expect_by_device.{k}", e) for k, e in prof.expect_by_device.items()]:
         for f in dataclasses.fields(exp):

@@ -104,7 +104,9 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
     per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
     for i in range(0, len(todo), per_call):
         part = todo[i:i + per_call]
-        c = copy_rows(cache, len(part) + 1)
+        # every call has per_call + 1 rows (the unused ones unperturbed): one batch size, so the
+        # Triton decode step compiles once per branch, not once per chunk size (~3 s a compile)
+        c = copy_rows(cache, min(len(todo), per_call) + 1)
         rows = torch.arange(1, len(part) + 1, device=c.k.device)
         pos = torch.tensor([x for _, x in part], device=c.k.device)
         heads = torch.tensor([g for g, _ in part], device=c.k.device)
@@ -113,7 +115,7 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
             noise = torch.randn(len(part), buf.shape[-1], device=buf.device, generator=gen).to(buf.dtype)
             buf[rows, pos, heads] += amp * noise
         o = run(c, branch).flatten(1).float()
-        moved = (o[1:] - o[:1]).abs().amax(-1).tolist()
+        moved = (o[1:len(part) + 1] - o[:1]).abs().amax(-1).tolist()
         silent += [part[r] for r in range(len(part)) if moved[r] <= 1e-3 * scale]
     assert not silent, (f"{branch} at t={t}: {len(silent)} tokens the formula says are read did not change the "
                         f"output when perturbed (KV head, position): {silent[:8]}")

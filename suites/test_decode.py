@@ -172,7 +172,8 @@ def _time(fn, graph):
                         min_reps=5 if GPU else 3, max_reps=200 if GPU else 5)
 
 
-BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches for S in CFG.contexts]
+BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches
+         for S in (CFG.bench_contexts if CFG.bench_contexts is not None else CFG.contexts)]
 
 
 @pytest.mark.parametrize("B,S", profile_cases(BENCH, "decode", "contexts", 2))
