@@ -89,6 +89,9 @@ Level = enum.Enum("Level", {n: n for n in profiles.LEVELS}, type=str)   # typer 
 LevelOpt = typer.Option(Level(profiles.DEFAULT_LEVEL), "--level", case_sensitive=False,
                         help="quick (~1 min: a parity case per kernel, one decode and one layer row) | "
                              "standard (every suite and kernel path, ~5 min on an H100) | full (the profile's whole sweep)")
+ShareOpt = typer.Option(None, "--share-gpu/--one-at-a-time",
+                        help="run the suites at once on each GPU, parity cases together and every timed case "
+                             "alone on it (default on a GPU), or one suite after another")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
@@ -139,13 +142,14 @@ def list_cmd(json_out: bool = JsonOpt) -> None:
 @app.command("suite")
 def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
               profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
-              strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt) -> None:
+              strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
+              share_gpu: Optional[bool] = ShareOpt) -> None:
     """Run the named suites."""
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
     raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False,
-                          allowed=_allow_list(allow_skips, strict), level=level.value))
+                          allowed=_allow_list(allow_skips, strict), level=level.value, share_gpu=share_gpu))
 
 
 @app.command("oneshot")
@@ -155,13 +159,14 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
                 keep_going: bool = typer.Option(False, "--keep-going", help="run the suites even if the environment is broken"),
                 baseline: Optional[Path] = typer.Option(None, "--baseline", help="run folder or baseline file to gate against"),
                 max_regression: float = MaxRegOpt,
-                gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs")) -> None:
+                gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs"),
+                share_gpu: Optional[bool] = ShareOpt) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
                           allowed=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
-                          n_gpus=_gpu_count(gpus), level=level.value))
+                          n_gpus=_gpu_count(gpus), level=level.value, share_gpu=share_gpu))
 
 
 def _allow_list(path: Path | None, strict: bool) -> dict[str, str]:
@@ -501,15 +506,15 @@ class _Stop:
 def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
          allowed: dict[str, str] | None = None, baseline: dict | None = None,
          max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1,
-         level: str = profiles.DEFAULT_LEVEL) -> int:
+         level: str = profiles.DEFAULT_LEVEL, share_gpu: bool | None = None) -> int:
     with _Stop() as stop:
         return _run_stoppable(stop, names, profile, out, strict, json_out, gate_env, allowed, baseline,
-                              max_regression, n_gpus, level)
+                              max_regression, n_gpus, level, share_gpu)
 
 
 def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str | None, strict: bool,
                    json_out: bool, gate_env: bool, allowed: dict[str, str] | None, baseline: dict | None,
-                   max_regression: float, n_gpus: int, level: str) -> int:
+                   max_regression: float, n_gpus: int, level: str, share_gpu: bool | None) -> int:
     import socket
 
     import torch
@@ -524,6 +529,9 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
     git = rundir.git_info()
     run_dir = rundir.create(root, git)
     shards = _shard(names, prof, n_gpus)
+    # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
+    # on a CPU they would only compete for its cores
+    share_gpu = (device == "cuda" and len(names) > 1) if share_gpu is None else share_gpu
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
                 "level": prof.level,
@@ -531,7 +539,8 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                 "ended": None, "status": "running", "allowed_skips": allowed or {},
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
                 "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
-                "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None}
+                "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None,
+                "share_gpu": share_gpu}
     if prof.device == "cuda" and not gpu:
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     results: dict[str, SuiteResult] = {}
@@ -548,23 +557,30 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         elif not stop.is_set():
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=False) as bar:
-                def work(queue: list[str], gpu_index: int | None) -> None:
+                def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
                     for name in queue:
                         if stop.is_set():
                             return
                         where = f" gpu{gpu_index}" if gpu_index is not None else ""
                         task = bar.add_task(f"{name:9s}{where}", total=None)
-                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index)
+                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock)
                         results[name] = run_suite(SUITES[name], ctx, run_dir,
                                                   lambda done, total: bar.update(task, completed=done, total=total),
                                                   stop.is_set)
                         s = results[name]
                         bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
                                    total=len(s.cases))
-                if n_gpus == 1:
-                    work(shards[0], None)
+                if share_gpu:      # every suite at once; each case holds its GPU's lock (gpu_share)
+                    jobs = [([n], None if n_gpus == 1 else i, str(run_dir / f".gpu{i}.lock"))
+                            for i, q in enumerate(shards) for n in q]
+                elif n_gpus == 1:
+                    jobs = [(shards[0], None, None)]
                 else:              # one thread per GPU, each running its suites one after another
-                    threads = [threading.Thread(target=work, args=(q, i), daemon=True) for i, q in enumerate(shards)]
+                    jobs = [(q, i, None) for i, q in enumerate(shards)]
+                if len(jobs) == 1:
+                    work(*jobs[0])
+                else:
+                    threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
                     for th in threads:
                         th.start()
                     while any(th.is_alive() for th in threads):
@@ -580,6 +596,9 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         status = "interrupted"
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
+    for lock in run_dir.glob(".gpu*.lock"):
+        with contextlib.suppress(OSError):
+            lock.unlink()
         err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
                   f"writing what was finished")
     for name in names:

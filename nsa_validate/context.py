@@ -23,6 +23,8 @@ class RunContext:
     strict: bool = False
     gpu_index: int | None = None      # `oneshot --gpus`: the local GPU this suite runs on
     parent_pid: int | None = None     # the nsa-validate process: the suite process dies with it
+    # the lock file of a GPU other suites run on at the same time (``gpu_share``); None: alone
+    gpu_lock: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

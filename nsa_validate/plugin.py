@@ -154,6 +154,8 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
+    config.addinivalue_line("markers", "nsa_exclusive: times the GPU, reads its counters or needs much of its "
+                                       "memory: runs alone on it when suites share a GPU (nsa_validate.gpu_share)")
     path = config.getoption("--nsa-context")
     if path:
         ctx = RunContext.load(path)
@@ -178,6 +180,19 @@ def _watch_parent(pid: int) -> None:
             time.sleep(0.5)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     threading.Thread(target=watch, name="nsa-parent-watch", daemon=True).start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With other suites on this GPU: the case (setup to teardown) holds the GPU's lock, exclusive
+    for ``nsa_exclusive`` cases, shared otherwise."""
+    path = context.current().gpu_lock
+    if not path:
+        yield
+        return
+    from nsa_validate import gpu_share
+    with gpu_share.hold(path, exclusive=item.get_closest_marker("nsa_exclusive") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

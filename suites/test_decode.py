@@ -177,6 +177,7 @@ BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches
 
 
 @pytest.mark.parametrize("B,S", profile_cases(BENCH, "decode", "contexts", 2))
+@pytest.mark.nsa_exclusive
 def test_bench(B, S, record, copy_gbs):
     decode = _require()
     from kernels.decode_layer import LayerDecodeStep
@@ -273,6 +274,7 @@ def _distinct_raw_tokens(idx, t: int) -> int:
 STEP_LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
 
 
+@pytest.mark.nsa_exclusive
 def test_dram_reads(record, extra):
     """The GPU's own DRAM counters (Nsight Compute) on one eager step at the largest batch and
     context, next to the formula's bytes and the bytes counted from the step's indices. Fails when

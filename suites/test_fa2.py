@@ -175,6 +175,7 @@ BENCH_CASES = profile_cases([pytest.param(br, S, id=f"{br}-S{S}") for br in ("cm
 
 
 @pytest.mark.parametrize("branch,S", BENCH_CASES)
+@pytest.mark.nsa_exclusive
 def test_bench(branch, S, record, extra):
     dtype = torch.bfloat16
     from kernels import fa2

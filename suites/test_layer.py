@@ -54,6 +54,7 @@ def _flops(shape: layer.Shape, dense_dims: tuple[int, int] | None) -> float:
 
 
 @pytest.mark.parametrize("shape", profile_cases([pytest.param(s, id=s.label) for s in SHAPES], "layer", "shapes", 1))
+@pytest.mark.nsa_exclusive
 def test_bench(shape, record):
     row = layer.measure(shape, ROUTING, DEV, budget_ms=CFG.budget_ms, stages=CFG.stages, capture=record.capture)
     want = routing.prefill_routes(ROUTING, shape.S, cfg=shape.config(), device=torch.device(DEV), dtype=DTYPES[CFG.dtype])
@@ -111,6 +112,7 @@ def _needle_layer(S: int, dtype: torch.dtype):
     return m.to(DEV, DTYPES[CFG.dtype]), x.to(DEV, DTYPES[CFG.dtype]), pos, payload
 
 
+@pytest.mark.nsa_exclusive
 def test_needle(record):
     S = CFG.needle_len or max((S for _, S in CFG.shapes), default=0)
     if not S:

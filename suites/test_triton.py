@@ -248,6 +248,7 @@ LONG = profile_cases([pytest.param(dt, S, id=f"{dt}-3x{S}-G4-h16-dk192-dv128")
 
 
 @pytest.mark.parametrize("dt,S", LONG)
+@pytest.mark.nsa_exclusive
 def test_long_varlen_sampled_rows(dt, S, record):
     """Three sequences of S tokens with the paper's heads (T·H·d_k > 2^31 at S = 64k, so the
     64-bit offsets are exercised): forward on sampled rows and all gradients flowing from them,
@@ -607,6 +608,7 @@ PREFILL = profile_cases([pytest.param(CFG.prefill_paper_len, id=f"bf16-B1-S{CFG.
 
 
 @pytest.mark.parametrize("S", PREFILL)
+@pytest.mark.nsa_exclusive
 def test_prefill_paper_config(S, record):
     """The whole layer, paper config, one long prefill on this GPU within memory: no S×S matrix."""
     dtype = torch.bfloat16
@@ -645,6 +647,7 @@ def _ms(t):
 
 @pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.bench_seq_lens],
                                        "triton", "bench_seq_lens", 1))
+@pytest.mark.nsa_exclusive
 def test_bench(S, record, extra):
     dtype = torch.bfloat16
     sel = _require(dtype)
@@ -717,6 +720,7 @@ ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}, "mix": {
 
 @pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.route_seq_lens],
                                        "triton", "route_seq_lens", 1))
+@pytest.mark.nsa_exclusive
 def test_route_bench(S, record, extra):
     """Each routed stage of ``NSAAttention`` on both backends at one length: the compressed branch
     forward+backward, block selection (the Triton one including its lse pass, as when the

@@ -1,0 +1,41 @@
+"""Suites sharing a GPU (nsa_validate.gpu_share): parity cases together, a timed case alone."""
+import json
+import threading
+import time
+
+from nsa_validate import gpu_share
+from tests.test_cli import _small_profile, cli
+
+
+def test_shared_holders_overlap_and_an_exclusive_one_waits_for_them(tmp_path):
+    lock, events = str(tmp_path / "gpu0.lock"), []
+
+    def holder(name, exclusive, hold_s):
+        with gpu_share.hold(lock, exclusive):
+            events.append(("in", name, time.monotonic()))
+            time.sleep(hold_s)
+            events.append(("out", name, time.monotonic()))
+
+    a = threading.Thread(target=holder, args=("parity-a", False, 0.6))
+    b = threading.Thread(target=holder, args=("parity-b", False, 0.6))
+    a.start(), b.start()
+    time.sleep(0.2)                                   # both parity cases hold it now
+    c = threading.Thread(target=holder, args=("bench", True, 0.1))
+    c.start()
+    for t in (a, b, c):
+        t.join(10)
+    at = {(kind, name): ts for kind, name, ts in events}
+    assert at[("in", "parity-b")] < at[("out", "parity-a")], "shared holders did not overlap"
+    assert at[("in", "bench")] >= max(at[("out", "parity-a")], at[("out", "parity-b")]), \
+        "the exclusive holder ran while a shared one still held the GPU"
+
+
+def test_share_gpu_runs_the_suites_at_once(tmp_path):
+    prof = _small_profile(tmp_path)
+    r = cli("suite", "sanity", "fa2", "--profile", str(prof), "--out", str(tmp_path / "runs"), "--share-gpu", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["suites"]["sanity"]["status"] == "pass" and out["suites"]["sanity"]["counts"]["pass"] > 0
+    run = next((tmp_path / "runs").glob("*/*"))
+    assert json.loads((run / "manifest.json").read_text())["share_gpu"] is True
+    assert not list(run.glob(".gpu*.lock")), "the lock file was left in the run folder"
