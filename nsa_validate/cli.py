@@ -26,7 +26,7 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import compare, envcheck, fleet, junit, profiles, report, rundir, safefs, thresholds
+from nsa_validate import compare, envcheck, fleet, gpu_share, junit, profiles, report, rundir, safefs, thresholds
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import SuiteInterrupted, run_suite
@@ -580,11 +580,24 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                 if len(jobs) == 1:
                     work(*jobs[0])
                 else:
+                    # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
+                    starting = {j[2]: [gpu_share.acquire(j[2], exclusive=False), 0] for j in jobs if j[2]}
+                    for j in jobs:
+                        if j[2]:
+                            starting[j[2]][1] += 1
                     threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
                     for th in threads:
                         th.start()
+                    t0 = time.monotonic()
                     while any(th.is_alive() for th in threads):
+                        for lock, (fd, n) in list(starting.items()):
+                            ended = sum(1 for th, j in zip(threads, jobs) if j[2] == lock and not th.is_alive())
+                            if gpu_share.started(lock) + ended >= n or time.monotonic() - t0 > 300:
+                                gpu_share.release(fd)
+                                del starting[lock]
                         time.sleep(0.2)
+                    for fd, _ in starting.values():
+                        gpu_share.release(fd)
     except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
         if isinstance(e, SuiteInterrupted):
             results[e.result.name] = e.result
@@ -596,7 +609,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         status = "interrupted"
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
-    for lock in run_dir.glob(".gpu*.lock"):
+    for lock in run_dir.glob(".gpu*.lock*"):
         with contextlib.suppress(OSError):
             lock.unlink()
         err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "

@@ -164,6 +164,12 @@ def pytest_configure(config) -> None:
         # re-running the logged command must not have their shell's group killed
         if ctx.parent_pid and os.getppid() == ctx.parent_pid and os.getpgrp() == os.getpid():
             _watch_parent(ctx.parent_pid)
+        if ctx.gpu_lock:
+            from nsa_validate import gpu_share
+            _STARTUP.append(gpu_share.announce(ctx.gpu_lock))
+
+
+_STARTUP: list[int] = []        # the GPU lock held shared from start-up to the first case
 
 
 def _watch_parent(pid: int) -> None:
@@ -191,6 +197,8 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     from nsa_validate import gpu_share
+    while _STARTUP:
+        gpu_share.release(_STARTUP.pop())
     with gpu_share.hold(path, exclusive=item.get_closest_marker("nsa_exclusive") is not None):
         yield
 

@@ -38,4 +38,5 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     assert out["suites"]["sanity"]["status"] == "pass" and out["suites"]["sanity"]["counts"]["pass"] > 0
     run = next((tmp_path / "runs").glob("*/*"))
     assert json.loads((run / "manifest.json").read_text())["share_gpu"] is True
-    assert not list(run.glob(".gpu*.lock")), "the lock file was left in the run folder"
+    assert not list(run.glob(".gpu*")), "the lock or start files were left in the run folder"
+    assert len(json.loads(r.stdout)["suites"]) == 2
