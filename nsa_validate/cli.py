@@ -609,6 +609,15 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         status = "interrupted"
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
+    for log in run_dir.glob(".gpu*.lock.log"):     # who held each GPU when: kept, and checked
+        with contextlib.suppress(OSError):
+            (run_dir / "logs").mkdir(exist_ok=True)
+            kept = run_dir / "logs" / f"{log.name.split('.')[1]}_share.jsonl"
+            log.replace(kept)
+            bad = gpu_share.overlaps(str(kept))
+            manifest["gpu_share_overlaps"] = manifest.get("gpu_share_overlaps", []) + bad
+            if bad:
+                err.print(f"[red]a timed case shared the GPU[/]: {escape(bad[0])} (+{len(bad) - 1} more; {kept})")
     for lock in run_dir.glob(".gpu*.lock*"):
         with contextlib.suppress(OSError):
             lock.unlink()

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import json
 import os
+import time
 
 
 def acquire(path: str, exclusive: bool) -> int:
@@ -31,13 +33,30 @@ def release(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def hold(path: str, exclusive: bool):
-    """Hold the GPU lock at ``path`` for the block: exclusive or shared."""
+def hold(path: str, exclusive: bool, what: str = ""):
+    """Hold the GPU lock at ``path`` for the block: exclusive or shared. Each hold is logged to
+    ``<path>.log`` (pid, mode, start and end on the monotonic clock, ``what``): the record that
+    timed cases ran alone (``overlaps``)."""
     fd = acquire(path, exclusive)
+    t0 = time.monotonic()
     try:
         yield
     finally:
+        t1 = time.monotonic()
         release(fd)
+        with open(f"{path}.log", "a") as f:     # one short line per write: appends do not interleave
+            f.write(json.dumps({"pid": os.getpid(), "exclusive": exclusive, "t0": t0, "t1": t1, "what": what}) + "\n")
+
+
+def overlaps(log_path: str) -> list[str]:
+    """Exclusive holds in a hold log that overlapped any other hold (should be none)."""
+    rows = [json.loads(line) for line in open(log_path) if line.strip()]
+    bad = []
+    for a in rows:
+        if a["exclusive"]:
+            bad += [f"{a['what']} overlapped {b['what']}" for b in rows
+                    if b is not a and b["t0"] < a["t1"] and a["t0"] < b["t1"]]
+    return bad
 
 
 def announce(path: str) -> int:

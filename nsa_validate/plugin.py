@@ -199,7 +199,7 @@ def pytest_runtest_protocol(item, nextitem):
     from nsa_validate import gpu_share
     while _STARTUP:
         gpu_share.release(_STARTUP.pop())
-    with gpu_share.hold(path, exclusive=item.get_closest_marker("nsa_exclusive") is not None):
+    with gpu_share.hold(path, exclusive=item.get_closest_marker("nsa_exclusive") is not None, what=item.nodeid):
         yield
         # hand the memory this case cached back to the GPU: other suites' cases need it, and a timed
         # case squeezed for memory measures the allocator's retries (a 64k layer forward: 1.2x dense

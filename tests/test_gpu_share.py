@@ -40,3 +40,6 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     assert json.loads((run / "manifest.json").read_text())["share_gpu"] is True
     assert not list(run.glob(".gpu*")), "the lock or start files were left in the run folder"
     assert len(json.loads(r.stdout)["suites"]) == 2
+    held = [json.loads(x) for x in (run / "logs" / "gpu0_share.jsonl").read_text().splitlines()]
+    assert {h["exclusive"] for h in held} == {False, True}, "no case held the GPU (or none alone)"
+    assert gpu_share.overlaps(str(run / "logs" / "gpu0_share.jsonl")) == []
