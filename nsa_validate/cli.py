@@ -581,9 +581,11 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                     work(*jobs[0])
                 else:
                     # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
-                    starting = {j[2]: [gpu_share.acquire(j[2], exclusive=False), 0] for j in jobs if j[2]}
+                    starting: dict[str, list] = {}            # lock -> [descriptor, suite processes]
                     for j in jobs:
                         if j[2]:
+                            if j[2] not in starting:
+                                starting[j[2]] = [gpu_share.acquire(j[2], exclusive=False), 0]
                             starting[j[2]][1] += 1
                     threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
                     for th in threads:
@@ -609,6 +611,8 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         status = "interrupted"
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
+        err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
+                  f"writing what was finished")
     for log in run_dir.glob(".gpu*.lock.log"):     # who held each GPU when: kept, and checked
         with contextlib.suppress(OSError):
             (run_dir / "logs").mkdir(exist_ok=True)
@@ -621,8 +625,6 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
     for lock in run_dir.glob(".gpu*.lock*"):
         with contextlib.suppress(OSError):
             lock.unlink()
-        err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
-                  f"writing what was finished")
     for name in names:
         if name not in results and status != "env-broken":
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
