@@ -1,7 +1,17 @@
-"""The bundled NSA implementation: config, fp32 oracle, module, decode cache, routing."""
-from nsa_core.cache import DecodeCache
-from nsa_core.config import PAPER, NSAConfig, tiny
-from nsa_core.module import NSAAttention, StepInfo
-from nsa_core.routing import BRANCHES, RoutingPolicy
+"""The bundled NSA implementation: config, fp32 oracle, module, decode cache, routing.
 
-__all__ = ["NSAConfig", "PAPER", "tiny", "NSAAttention", "DecodeCache", "StepInfo", "RoutingPolicy", "BRANCHES"]
+Names are imported on first use (PEP 562), so ``nsa_core.config`` and ``nsa_core.routing`` load
+without torch: the CLI's ``--help``, ``list``, ``report`` and ``compare`` never import it."""
+import importlib
+
+_WHERE = {"NSAConfig": "config", "PAPER": "config", "tiny": "config", "NSAAttention": "module",
+          "StepInfo": "module", "DecodeCache": "cache", "RoutingPolicy": "routing", "BRANCHES": "routing"}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"nsa_core.{_WHERE[name]}"), name)
+    if name in ("reference", "module", "cache", "config", "routing", "torch_branches"):
+        return importlib.import_module(f"nsa_core.{name}")
+    raise AttributeError(f"module 'nsa_core' has no attribute {name!r}")

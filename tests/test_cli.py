@@ -40,6 +40,22 @@ def test_version_and_short_help():
         assert r.returncode == 0 and "Usage:" in r.stdout, (args, r.stdout[-300:], r.stderr[-300:])
 
 
+@pytest.mark.parametrize("args", [["--help"], ["list"], ["suite", "--help"], ["compare", "--help"]], ids=" ".join)
+def test_light_commands_load_neither_torch_nor_pandas(args):
+    """--help, list and the like answer in under a second: torch (and pandas, matplotlib) are only
+    imported by commands that use them."""
+    code = ("import sys, time; t = time.perf_counter(); sys.argv = ['nsa-validate', *%r]\n"
+            "from nsa_validate.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'triton') if m in sys.modules), file=sys.stderr)" % (args,))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "[]", f"{args} imported {r.stderr.strip().splitlines()[-1]}"
+    assert wall < 1.0, f"nsa-validate {' '.join(args)} took {wall:.2f} s (interpreter start included)"
+
+
 def test_env_json_on_stdout_tables_on_stderr():
     r = cli("env", "--json")
     assert r.returncode in (0, 3)
