@@ -26,7 +26,9 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import compare, envcheck, fleet, gpu_share, junit, profiles, report, rundir, safefs, thresholds
+from nsa_validate import (compare, envcheck, fleet, gpu_share, junit, metrics_csv, profiles, report, rundir, safefs,
+                          thresholds)
+from nsa_validate import __version__
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import SuiteInterrupted, run_suite
@@ -350,7 +352,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
 
 @app.command("report")
 def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
-    """Re-render report.md of a run folder from its results.json (a folder left running by a
+    """Re-render report.md and metrics.csv of a run folder from its results.json (a folder left running by a
     process that vanished is repaired first: see ``repair``)."""
     manifest = _manifest(run_dir, required=False)
     if manifest is not None and manifest.get("status") == "running" and _stale(manifest):
@@ -358,7 +360,8 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
         _repair(run_dir, manifest)
     res = _load_run(run_dir)
     safefs.atomic_write(run_dir / "report.md", report.render(res))
-    err.print(f"report: {run_dir / 'report.md'}")
+    metrics_csv.write(res, run_dir / "metrics.csv")
+    err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
 
@@ -534,7 +537,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
     share_gpu = (device == "cuda" and len(names) > 1) if share_gpu is None else share_gpu
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
-                "level": prof.level,
+                "level": prof.level, "tool_version": __version__,
                 "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
                 "ended": None, "status": "running", "allowed_skips": allowed or {},
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
@@ -716,6 +719,7 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")
     safefs.atomic_write(run_dir / "report.md", report.render(res))
+    metrics_csv.write(res, run_dir / "metrics.csv")
     write_json(run_dir / "manifest.json", manifest)
     return res
 

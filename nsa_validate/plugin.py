@@ -236,8 +236,25 @@ def _emit(config, line: dict) -> None:
 _PLACEHOLDERS: set[str] = set()
 
 
+def _plain(v):
+    """A parameter as JSON can hold it: numbers, strings, lists; a dataclass as its fields."""
+    import dataclasses
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {k: _plain(x) for k, x in dataclasses.asdict(v).items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+
+
+_PARAMS: dict[str, dict] = {}
+
+
 def pytest_collection_finish(session) -> None:
     _PLACEHOLDERS.update(i.nodeid for i in session.items if i.get_closest_marker("nsa_placeholder"))
+    for i in session.items:
+        cs = getattr(i, "callspec", None)
+        if cs is not None and i.nodeid not in _PLACEHOLDERS:
+            _PARAMS[i.nodeid] = {k: _plain(v) for k, v in cs.params.items()}
     _emit(session.config, {"collected": len(session.items)})
 
 
@@ -273,6 +290,7 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     name = nodeid.split("::")[-1].removeprefix("test_")
     suite = nodeid.split("::")[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
     _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
+                       "params": _PARAMS.get(nodeid, {}),
                        "metrics": rec.metrics, "backends": rec.backends, "kernels": rec.kernels,
                        "duration_s": round(st.get("duration", 0.0), 4), "placeholder": nodeid in _PLACEHOLDERS})
 

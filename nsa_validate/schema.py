@@ -1,7 +1,7 @@
 """The one results schema (``results.json``), used by the runner, report, JUnit, compare.
 
-A case record:  {id, suite, status: pass|fail|skip|error, reason, metrics{}, backends{}, kernels{},
-                 duration_s, placeholder}
+A case record:  {id, suite, status: pass|fail|skip|error, reason, params{}, metrics{}, backends{},
+                 kernels{}, duration_s, placeholder}
 A suite result: {name, status, duration_s, counts{}, cases[], log, returncode, reason}
 A run:          {schema_version, manifest{}, env{}, profile{}, routing{}, suites{name: suite}, verdict{}}
 """
@@ -30,6 +30,8 @@ class CaseRecord:
     kernels: dict = field(default_factory=dict)
     # a stand-in, not a check: "no sizes in the profile", "suite not run". Never counted.
     placeholder: bool = False
+    # the case's pytest parameters by name (e.g. {"B": 16, "S": 65536}), so readers need not parse ids
+    params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -147,9 +149,10 @@ def headline(status: str, suites: dict[str, SuiteResult], not_exercised: dict[st
 
 
 def _clean(o):
-    """JSON-safe: NaN/Inf become strings so the file stays valid JSON."""
+    """JSON-safe: NaN becomes null, ±Inf the strings "inf"/"-inf" (an infinite error is a finding,
+    not a missing figure), so the file stays valid JSON."""
     if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
+        return None if math.isnan(o) else str(o)
     if isinstance(o, dict):
         return {str(k): _clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):

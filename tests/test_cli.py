@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "junit.xml"]
+RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "junit.xml", "metrics.csv"]
 
 
 def cli(*args, timeout=900):
@@ -216,6 +216,11 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         assert json.loads((d / "manifest.json").read_text())["status"] == "complete"
     assert "## Differences vs baseline" in (dirs[1] / "report.md").read_text()
     assert json.loads((dirs[1] / "results.json").read_text())["comparison"]["status"] == "pass"
+    import pandas as pd
+    df = pd.read_csv(dirs[0] / "metrics.csv")
+    assert set(df.suite) >= {"sanity", "counters", "layer"} and (df.level == "quick").all()
+    layer = df[(df.suite == "layer") & df.case.str.startswith("bench")]
+    assert layer.params.map(lambda p: set(json.loads(p))).map(lambda k: "shape" in k).all(), layer.params.head()
     md = (dirs[0] / "report.md").read_text()
     assert "paper Table 4" in md and "| 65536 |" in md
     assert md.index("## Whole layer") < md.index("## Parity against the fp32 oracle")    # near the top

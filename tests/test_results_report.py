@@ -76,4 +76,4 @@ def test_junit_has_every_case(tmp_path):
 
 def test_nan_metrics_keep_json_valid(tmp_path):
     write_json(tmp_path / "x.json", {"a": float("nan"), "b": [float("inf")]})
-    assert json.loads((tmp_path / "x.json").read_text()) == {"a": "nan", "b": ["inf"]}
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": ["inf"]}   # NaN: null
