@@ -115,7 +115,9 @@ def _reads_by_effect(decode, cache, new, r, t):
             for br in ("cmp", "sel", "win")}
 
 
-def test_layer_step(record):
+@pytest.mark.parametrize("_", profile_cases([pytest.param(None, id="graph")] if CFG.contexts else [],
+                                             "decode", "contexts", 1))      # a decode suite with no sizes runs none
+def test_layer_step(_, record):
     """The whole layer's decode step users capture (``kernels.decode_layer.LayerDecodeStep``:
     projections, append, φ, gate, the three branches + gated mix, output projection), replayed from
     one CUDA graph on a GPU, eager elsewhere: after a prefill of P tokens each of 2·d + 3 steps (φ
