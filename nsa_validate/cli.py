@@ -559,20 +559,44 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
             err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
         elif not stop.is_set():
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err, transient=False) as bar:
+                          console=err, transient=False, disable=not err.is_terminal) as bar:
+                t_run = time.monotonic()
+                live = err.is_terminal          # else (a CI log): one plain line per event
+
+                def line(text: str) -> None:
+                    err.print(f"[{time.monotonic() - t_run:7.1f}s] {text}", highlight=False, markup=False)
+
                 def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
                     for name in queue:
                         if stop.is_set():
                             return
                         where = f" gpu{gpu_index}" if gpu_index is not None else ""
-                        task = bar.add_task(f"{name:9s}{where}", total=None)
+                        shown = [0]
+                        if live:
+                            task = bar.add_task(f"{name:9s}{where}", total=None)
+                        else:
+                            line(f"{name}{where}: started (timeout {prof.timeout(name)} s)")
+
+                        def progress(done: list[CaseRecord], total: int | None) -> None:
+                            if live:
+                                bar.update(task, completed=len(done), total=total)
+                                return
+                            for c in done[shown[0]:]:
+                                why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
+                                line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
+                                     f" [{len(done)}/{total if total is not None else '?'}]{why}")
+                            shown[0] = len(done)
                         ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock)
-                        results[name] = run_suite(SUITES[name], ctx, run_dir,
-                                                  lambda done, total: bar.update(task, completed=done, total=total),
-                                                  stop.is_set)
+                        results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
                         s = results[name]
-                        bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
-                                   total=len(s.cases))
+                        if live:
+                            bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
+                                       total=len(s.cases))
+                        else:
+                            progress(s.cases, len(s.cases))
+                            c = s.counts
+                            line(f"{name}{where}: {s.status} in {s.duration_s:.1f} s ({c['pass']} passed, {c['fail']} "
+                                 f"failed, {c['error']} errors, {c['skip']} skipped)")
                 if share_gpu:      # every suite at once; each case holds its GPU's lock (gpu_share)
                     jobs = [([n], None if n_gpus == 1 else i, str(run_dir / f".gpu{i}.lock"))
                             for i, q in enumerate(shards) for n in q]

@@ -77,7 +77,7 @@ def not_implemented(suite: Suite) -> SuiteResult:
 
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
-              on_progress: Callable[[int, int | None], None] = lambda done, total: None,
+              on_progress: Callable[[list[CaseRecord], int | None], None] = lambda done, total: None,
               should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
     if suite.module is None:
         return not_implemented(suite)
@@ -104,7 +104,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
             while proc.poll() is None:
                 time.sleep(0.3)
                 total, done = read_records(rec_path)
-                on_progress(len(done), total)
+                on_progress(done, total)
                 if time.monotonic() - t0 > timeout:
                     problem = f"timed out after {timeout}s"
                     break

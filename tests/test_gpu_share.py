@@ -1,5 +1,6 @@
 """Suites sharing a GPU (nsa_validate.gpu_share): parity cases together, a timed case alone."""
 import json
+import re
 import threading
 import time
 
@@ -34,6 +35,10 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     prof = _small_profile(tmp_path)
     r = cli("suite", "sanity", "fa2", "--profile", str(prof), "--out", str(tmp_path / "runs"), "--share-gpu", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
+    # stderr is not a terminal here (as in CI): a plain line per suite start, finished case and suite end
+    assert re.search(r"^\[ *[0-9.]+s\] sanity: started", r.stderr, re.M), r.stderr[-2000:]
+    assert re.search(r"^\[ *[0-9.]+s\] sanity/prefill_matches_oracle\[\w+\] pass \([0-9.]+ s\) \[\d+/\d+\]$", r.stderr, re.M)
+    assert re.search(r"^\[ *[0-9.]+s\] sanity: pass in [0-9.]+ s \(\d+ passed", r.stderr, re.M)
     out = json.loads(r.stdout)
     assert out["suites"]["sanity"]["status"] == "pass" and out["suites"]["sanity"]["counts"]["pass"] > 0
     run = next((tmp_path / "runs").glob("*/*"))
