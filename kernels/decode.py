@@ -15,13 +15,13 @@ position is a device tensor; no shape depends on it):
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
    heads: the selection-block scores; ``_topn_kernel`` (one program per (row · KV head)) takes the
    top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
-   −1 padded: exactly SPEC §3.
+   −1 padded: exactly docs/nsa.md.
 3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
    (positions j·l' .. min(j·l'+l', t+1)−1).
 4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
    gate-weighted mix when a gate is given, and the tokens each branch's programs loaded.
 
-Every program loads only the tokens SPEC §3 counts (masked loads: a token outside its range is
+Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
 ``branches=`` runs only the work of the named branches (selection belongs to ``sel``), so each
 branch can be timed alone.

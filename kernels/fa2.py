@@ -10,7 +10,7 @@ Layouts (packed variable length): q [T, H, d_k], k [T, G, d_k], v [T, G, d_v] wi
 the same way with ``cu_cmp`` [B+1] (N_b = n_cmp_total(S_b) per sequence).
 
 The compressed branch's causal rule (query t sees compressed tokens i with i·d + l − 1 <= t,
-SPEC §3) is a staircase, one more key every d queries, which FA's causal mask (one more key per
+docs/nsa.md) is a staircase, one more key every d queries, which FA's causal mask (one more key per
 query) cannot express directly. The mapping used here: split each sequence's queries t >= l−1 by
 the residue r = (t − l + 1) mod d. Within residue r the m-th query (t = l−1+r+m·d) sees exactly
 compressed tokens 0..m: plain causal attention with as many keys as queries. So each (sequence,

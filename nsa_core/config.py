@@ -1,4 +1,4 @@
-"""Typed configuration of one NSA attention layer (SPEC §3).
+"""Typed configuration of one NSA attention layer (docs/nsa.md).
 
 Notation follows the paper (arXiv 2502.11089): G KV heads, h query heads per group
 (H = G·h query heads), compression block length l with stride d, selection block
@@ -46,7 +46,7 @@ class NSAConfig:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.d_k)
 
-    # -- counts of SPEC §3, as plain integer functions of the absolute position t --------
+    # -- counts of docs/nsa.md, as plain integer functions of the absolute position t --------
     def n_cmp(self, t: int) -> int:
         """Compressed tokens usable by query t: token i needs i·d + l − 1 <= t."""
         return 0 if t + 1 < self.cmp_len else (t + 1 - self.cmp_len) // self.cmp_stride + 1
@@ -59,7 +59,7 @@ class NSAConfig:
         return -(-seq_len // self.block_size)
 
     def expected_reads(self, t: int) -> dict[str, int]:
-        """Formula of SPEC §3: KV tokens read per KV head by the decode step at position t."""
+        """Formula of docs/nsa.md: KV tokens read per KV head by the decode step at position t."""
         nb = -(-(t + 1) // self.block_size)
         sel = min(self.n_selected, nb) * self.block_size - (nb * self.block_size - (t + 1))
         return {"cmp": self.n_cmp(t), "sel": sel, "win": min(self.window, t + 1)}

@@ -1,6 +1,6 @@
 """``NSAAttention``: the bundled NSA layer (prefill and decode), routed per branch.
 
-Forward pass (SPEC §3): project q/k/v, compress k/v with φ, score and select blocks from the
+Forward pass (docs/nsa.md): project q/k/v, compress k/v with φ, score and select blocks from the
 compressed-branch probabilities, run the three branches through the backend the routing policy
 picks (every backend notes what ran in ``routing``), and mix them with the sigmoid gate.
 ``only=`` forces the gate one-hot on a branch and runs only that branch's work — the API the

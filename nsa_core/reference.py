@@ -1,4 +1,4 @@
-"""The fp32 reference oracle of NSA (SPEC §3). Slow, plain, explicit masks.
+"""The fp32 reference oracle of NSA (docs/nsa.md). Slow, plain, explicit masks.
 
 Everything here runs in float32 (or float64 if given), builds its masks from the definitions
 word for word, and shares no code with the fast paths in ``nsa_core.module`` or ``kernels``
@@ -117,7 +117,7 @@ def block_scores(p_cmp: torch.Tensor, cfg: NSAConfig, seq_len: int) -> torch.Ten
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
-    """Top-n blocks per query and group (SPEC §3).
+    """Top-n blocks per query and group (docs/nsa.md).
 
     scores [B, Sq, G, NB]; positions [Sq]. Returns idx [B, Sq, G, n] int64, ascending, -1 padded.
     Block 0 and the local blocks ⌊t/l'⌋ and ⌊t/l'⌋−1 are always selected; the remaining slots go

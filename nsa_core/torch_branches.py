@@ -8,7 +8,7 @@ O(chunk · keys-per-row), never O(S²).
 
 With ``want_used=True`` a function also returns ``used`` [B, Sq, G]: how many KV tokens each
 row actually attended over, counted from the slice / gather-index tensors it used. These are
-the measured read counters of SPEC §3.
+the measured read counters of docs/nsa.md.
 
 Layouts: q [B, Sq, H, d_k]; k/v [B, S, G, d]; k_cmp/v_cmp [B, N, G, d]; idx [B, Sq, G, n].
 """

@@ -1,4 +1,4 @@
-"""Baselines and regression gating (SPEC §7): ``nsa-validate baseline save`` and ``compare``.
+"""Baselines and regression gating (README: CLI, exit codes, CI gate): ``nsa-validate baseline save`` and ``compare``.
 
 A baseline is what a run measured, reduced to what a later run is judged against: every case's
 status and every timing a case recorded (any metric carrying ``median_ms`` and ``samples_ms``,

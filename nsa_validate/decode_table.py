@@ -1,4 +1,4 @@
-"""The decode bench's output (SPEC §6): launch-bound labels, ``decode.csv``, two PNG plots and the
+"""The decode bench's output (docs/method.md): launch-bound labels, ``decode.csv``, two PNG plots and the
 report table, from the rows the ``decode`` suite measured. One row per (B, S); ``COLUMNS`` is the
 CSV's documentation (also written into the report)."""
 from __future__ import annotations
@@ -43,7 +43,7 @@ COLUMNS = {
     "launch_bound": "eager/graph > 1.5, the time flat in S while bytes grow, or a CPU timer (roofline.label)",
     "launch_bound_why": "which sign, with the figures",
 }
-TABLE = "decode step (SPEC §6): ms, medians of the samples"
+TABLE = "decode step: ms, medians of the samples"
 
 
 def finish(rows: list[dict], extra, notes: list[str] = ()) -> pd.DataFrame:

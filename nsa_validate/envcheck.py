@@ -1,4 +1,4 @@
-"""Environment and pairing check (SPEC §5): is torch/triton/flash-attn a working set here?
+"""Environment and pairing check (docs/method.md): is torch/triton/flash-attn a working set here?
 
 ``collect()`` probes the machine. The decisions are small pure functions of versions,
 metadata and error messages, so tests can feed them fakes (a CPU torch, a nightly's

@@ -1,4 +1,4 @@
-"""Exit codes (SPEC §7) and the exceptions that map to them."""
+"""Exit codes (README: CLI, exit codes, CI gate) and the exceptions that map to them."""
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_ENV_BROKEN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 

@@ -1,4 +1,4 @@
-"""Decode roofline figures (SPEC §6): bytes a step reads, achieved bandwidth, launch-bound label.
+"""Decode roofline figures (docs/method.md): bytes a step reads, achieved bandwidth, launch-bound label.
 
 The seeds' decode bench reported ~5-6 ms per step, flat from 128 to 4096 tokens: it timed Python
 and host syncs, not the GPU. Two independent signs expose that, and either labels a row

@@ -1,4 +1,4 @@
-"""FA-2 threshold recommendation (SPEC §6) and the profile suggestion written from it.
+"""FA-2 threshold recommendation (docs/method.md) and the profile suggestion written from it.
 
 Rule: for a branch, the smallest measured length from which FA-2 is at least ``margin`` times
 faster than the baseline at that length *and at every larger length measured*; if there is

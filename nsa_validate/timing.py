@@ -1,4 +1,4 @@
-"""The one timing helper (SPEC §6). Every bench in the project calls ``bench``.
+"""The one timing helper (docs/method.md). Every bench in the project calls ``bench``.
 
 On a GPU each repetition is bracketed by CUDA events on the current stream, so the figure is the
 GPU's time, not Python's; with ``graph=True`` the work is first captured in a CUDA graph and each

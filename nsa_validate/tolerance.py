@@ -1,4 +1,4 @@
-"""The one tolerance helper (SPEC §4, FlashAttention's rule).
+"""The one tolerance helper (FlashAttention's rule, docs/method.md).
 
 The oracle is computed twice: in fp32 (the truth) and in the test dtype (the low-precision
 oracle). The implementation under test passes when

@@ -1,4 +1,4 @@
-"""counters: decode read counters measured from what the decode step gathered == SPEC §3 formula.
+"""counters: decode read counters measured from what the decode step gathered == the formula (docs/nsa.md).
 
 The decode step reports, per branch and KV head, how many KV tokens it attended over, counted
 from the slice and gather-index tensors it actually used (the ``StepInfo`` it returns). At the first and last

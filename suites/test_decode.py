@@ -7,7 +7,7 @@ the oracle run in the test dtype with the same blocks; the reads it counted must
 and at the profile's ``effect_contexts`` they are also measured by their effect on the output
 (``suites.read_effect``: each token the formula says is read moves it; every other one, NaN, does not).
 
-Bench (``bench[B-S]``, SPEC §6): the step is ``kernels.decode.DecodeStep`` (append the new token's
+Bench (``bench[B-S]``, docs/method.md): the step is ``kernels.decode.DecodeStep`` (append the new token's
 K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
 (``timing.bench(graph=True)``), and also run eagerly; each branch alone (only its work: selection
 belongs to ``sel``); and a dense decode over the whole cache that reads the dense layer's bytes

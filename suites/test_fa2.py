@@ -157,7 +157,7 @@ def test_module_on_fa2(backend, dt, record):
 
 
 # -- bench and recommendation (GPU) ---------------------------------------------------------
-BENCH = dict(G=4, H=64, d=128)            # SPEC §9 reference heads; bf16, B=1
+BENCH = dict(G=4, H=64, d=128)            # the reference heads of docs/method.md; bf16, B=1
 TABLE = "FA-2 vs SDPA per branch (bf16, B=1, H=64, G=4, d=128, l=32, d=16, w=512)"
 SPEEDUPS: dict[str, dict[str, dict[int, float]]] = {"cmp": {}, "win": {}}
 
@@ -224,14 +224,14 @@ def test_bench(branch, S, record, extra):
 
 
 def test_recommendation(record, extra):
-    """SPEC §6 rule over the bench above, per branch and backend; the profile suggestion."""
+    """the rule of docs/method.md over the bench above, per branch and backend; the profile suggestion."""
     if not any(SPEEDUPS[br] for br in SPEEDUPS):
         pytest.skip("no FA-2 bench ran here (see the bench cases' reasons)")
     suggest, chosen = {}, set()
     for br in ("cmp", "win"):
         per_backend = {b: thresholds.recommend(sp, CFG.margin) for b, sp in SPEEDUPS[br].items()}
         for b, thr in per_backend.items():
-            extra.row("FA-2 threshold recommendation (SPEC §6)", {
+            extra.row("FA-2 threshold recommendation", {
                 "branch": br, "backend": b, "margin": CFG.margin,
                 "recommended fa2_min_len": thr if thr is not None else "disable",
                 "speedups": ", ".join(f"{S}: {x:.2f}x" for S, x in sorted(SPEEDUPS[br][b].items()))})

@@ -10,7 +10,7 @@ low-precision oracle's error, with rel-RMS < 5e-3. The kernel and the oracle get
 indices: random top-n scores through the oracle's own top-n rule (forced initial and local
 blocks, -1 padding where a row has fewer causal blocks than n). Every case proves from the
 dispatch log that the Triton kernel ran. On a GPU the suite also times the kernels against dense
-causal attention (SPEC §9 configuration) and adds the table to ``report.md``.
+causal attention (the configuration of the public figures in docs/method.md) and adds the table to ``report.md``.
 """
 from __future__ import annotations
 
@@ -630,7 +630,7 @@ def test_prefill_paper_config(S, record):
 # -- benchmark (GPU) -----------------------------------------------------------------------
 BENCH_TABLE = ("selection kernel alone (one branch, not the layer: see the layer suite) vs dense causal attention "
                "(bf16, B=1, H=64, G=4, d=128, l'=64, n=16)")
-REFERENCE_64K = {"fwd": 24.5, "bwd": 33.8}     # SPEC §9: XunhaoLai/native-sparse-attention-triton on an H100
+REFERENCE_64K = {"fwd": 24.5, "bwd": 33.8}     # docs/method.md: XunhaoLai/native-sparse-attention-triton on an H100
 
 
 def _flash_attn():
@@ -707,7 +707,7 @@ def test_bench(S, record, extra):
     extra.row(BENCH_TABLE, row)
     if S == 65536:
         extra.note(f"selection kernel at 64k on {torch.cuda.get_device_name()}: fwd {t['sel_fwd'].median_ms:.2f} ms, "
-                   f"bwd {t['sel_bwd'].median_ms:.2f} ms; figures to beat (SPEC §9, measured on an H100): "
+                   f"bwd {t['sel_bwd'].median_ms:.2f} ms; figures to beat (public, measured on an H100: docs/method.md): "
                    f"fwd {REFERENCE_64K['fwd']} ms, bwd {REFERENCE_64K['bwd']} ms. Timings: median "
                    f"[p20-p80] of CUDA-event samples, L2 flushed before each.")
 

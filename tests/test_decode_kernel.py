@@ -1,6 +1,6 @@
 """The Triton decode step (kernels/decode.py) against the fp32 oracle's row t: its block selection
 equals the oracle's, each branch's output is within the tolerance rule, and its measured reads
-equal the SPEC §3 formula, at positions around every boundary (t < l, t < w, partial blocks,
+equal the formula of docs/nsa.md, at positions around every boundary (t < l, t < w, partial blocks,
 more causal blocks than n). Runs under the interpreter without a GPU."""
 import pytest
 import torch

@@ -16,7 +16,7 @@ def _layer(seed=0, **cfg):
 
 
 def brute_topn(scores, t, cfg):
-    """Top-n by the words of SPEC §3, one query, one group, in plain Python."""
+    """Top-n by the words of docs/nsa.md, one query, one group, in plain Python."""
     nb_causal = t // cfg.block_size + 1
     cur = t // cfg.block_size
     forced = sorted({0, cur, max(cur - 1, 0)})

@@ -10,7 +10,7 @@ def test_bytes_and_bandwidth():
 
 
 def test_seeds_flat_curve_is_labelled_launch_bound():
-    """~5-6 ms per step from 128 to 4096 tokens (SPEC §9): the time ignores a 32x growth in bytes."""
+    """~5-6 ms per step from 128 to 4096 tokens (the old harness's decode bench): the time ignores a 32x growth in bytes."""
     rows = [{"S": S, "bytes": roofline.bytes_read(S, 192, 128, 2, 4, 1), "step_ms": ms}
             for S, ms in [(128, 5.4), (512, 5.6), (1024, 5.5), (4096, 5.9)]]
     out = roofline.label(rows)
