@@ -66,8 +66,8 @@ def finish(rows: list[dict], extra, notes: list[str] = ()) -> pd.DataFrame:
             "dense flash-attn, v padded": _f(r["dense_flash_attn_padded_ms"]),
             "x padded dense": _f(r["speedup_vs_padded"], 2), "paper expected x": _f(r["expected_speedup"], 2),
             "NSA layer step": _f(r["layer_ms"]),
-            "dense layer step": _f(min(v for v in (r["dense_sdpa_layer_ms"], r["dense_flash_attn_layer_ms"])
-                                       if v is not None and not math.isnan(v))),
+            "dense layer step": _f(min((v for v in (r["dense_sdpa_layer_ms"], r["dense_flash_attn_layer_ms"])
+                                        if v is not None and not math.isnan(v)), default=None)),
             "x dense layer": _f(r["layer_speedup_vs_dense"], 2),
             "tokens": r["tokens_read"], "GB/s": _f(r["achieved_gbs"], 0),
             "% copy bw": _f(r["pct_copy_bw"], 1), "% spec bw": _f(r["pct_spec_bw"], 1),
