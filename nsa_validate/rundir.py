@@ -97,7 +97,7 @@ def create(root: Path, git: dict) -> Path:
     stamp = utc_stamp()
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
     d = fresh_dir(root / (git["short"] + ("-dirty" if git["dirty"] else "")), f"{stamp}-{host}")
-    for sub in ("suites", "logs", "junit"):
+    for sub in ("suites", "logs"):
         (d / sub).mkdir()
     return d
 

@@ -72,6 +72,10 @@ def test_junit_has_every_case(tmp_path):
     root = ET.parse(tmp_path / "j.xml").getroot()
     cases = root.findall(".//testcase")
     assert len(cases) == 2 and root.find(".//skipped").get("message") == "no CUDA device"
+    ts = root.find("testsuite")
+    assert "timestamp" in ts.attrib and "hostname" in ts.attrib
+    props = {p.get("name"): p.get("value") for p in ts.find("properties")}
+    assert {"gpu", "commit", "profile", "level", "tool_version"} <= set(props)
 
 
 def test_nan_metrics_keep_json_valid(tmp_path):
