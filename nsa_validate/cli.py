@@ -94,6 +94,8 @@ LevelOpt = typer.Option(Level(profiles.DEFAULT_LEVEL), "--level", case_sensitive
 ShareOpt = typer.Option(None, "--share-gpu/--one-at-a-time",
                         help="run the suites at once on each GPU, parity cases together and every timed case "
                              "alone on it (default on a GPU), or one suite after another")
+SelectOpt = typer.Option(None, "-k", help="pytest expression selecting cases in every suite, e.g. 'parity and not S65536'")
+TimeoutOpt = typer.Option(None, "--timeout", min=1, help="seconds each suite may run (instead of the profile's)")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
@@ -141,17 +143,19 @@ def list_cmd(json_out: bool = JsonOpt) -> None:
         print(json.dumps(rows, indent=2))
 
 
+SuiteName = enum.Enum("SuiteName", {n: n for n in SUITES}, type=str)   # choices in --help and completion
+
+
 @app.command("suite")
-def suite_cmd(names: List[str] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
+def suite_cmd(names: List[SuiteName] = typer.Argument(..., help="suite names (see `nsa-validate list`)"),
               profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
               strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
-              share_gpu: Optional[bool] = ShareOpt) -> None:
+              share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
+              timeout: Optional[int] = TimeoutOpt) -> None:
     """Run the named suites."""
-    unknown = [n for n in names if n not in SUITES]
-    if unknown:
-        raise UsageError(f"unknown suite '{unknown[0]}' (known: {', '.join(SUITES)})")
-    raise typer.Exit(_run(list(dict.fromkeys(names)), profile, out, strict, json_out, gate_env=False,
-                          allowed=_allow_list(allow_skips, strict), level=level.value, share_gpu=share_gpu))
+    raise typer.Exit(_run(list(dict.fromkeys(n.value for n in names)), profile, out, strict, json_out, gate_env=False,
+                          allowed=_allow_list(allow_skips, strict), level=level.value, share_gpu=share_gpu,
+                          select=select, timeout=timeout))
 
 
 @app.command("oneshot")
@@ -162,13 +166,15 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
                 baseline: Optional[Path] = typer.Option(None, "--baseline", help="run folder or baseline file to gate against"),
                 max_regression: float = MaxRegOpt,
                 gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs"),
-                share_gpu: Optional[bool] = ShareOpt) -> None:
+                share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
+                timeout: Optional[int] = TimeoutOpt) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
                           allowed=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
-                          n_gpus=_gpu_count(gpus), level=level.value, share_gpu=share_gpu))
+                          n_gpus=_gpu_count(gpus), level=level.value, share_gpu=share_gpu, select=select,
+                          timeout=timeout))
 
 
 def _allow_list(path: Path | None, strict: bool) -> dict[str, str]:
@@ -509,15 +515,17 @@ class _Stop:
 def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
          allowed: dict[str, str] | None = None, baseline: dict | None = None,
          max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1,
-         level: str = profiles.DEFAULT_LEVEL, share_gpu: bool | None = None) -> int:
+         level: str = profiles.DEFAULT_LEVEL, share_gpu: bool | None = None, select: str | None = None,
+         timeout: int | None = None) -> int:
     with _Stop() as stop:
         return _run_stoppable(stop, names, profile, out, strict, json_out, gate_env, allowed, baseline,
-                              max_regression, n_gpus, level, share_gpu)
+                              max_regression, n_gpus, level, share_gpu, select, timeout)
 
 
 def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str | None, strict: bool,
                    json_out: bool, gate_env: bool, allowed: dict[str, str] | None, baseline: dict | None,
-                   max_regression: float, n_gpus: int, level: str, share_gpu: bool | None) -> int:
+                   max_regression: float, n_gpus: int, level: str, share_gpu: bool | None,
+                   select: str | None, timeout: int | None) -> int:
     import socket
 
     import torch
@@ -528,7 +536,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
     device = "cuda" if prof.device == "cuda" and gpu else "cpu"
     rep = envcheck.collect()
     if baseline is not None:       # a baseline from another machine is refused before anything runs
-        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level), baseline)
+        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, select), baseline)
     git = rundir.git_info()
     run_dir = rundir.create(root, git)
     shards = _shard(names, prof, n_gpus)
@@ -543,7 +551,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
                 "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None,
-                "share_gpu": share_gpu}
+                "share_gpu": share_gpu, "select": select, "timeout_s": timeout}
     if prof.device == "cuda" and not gpu:
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     results: dict[str, SuiteResult] = {}
@@ -575,7 +583,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                         if live:
                             task = bar.add_task(f"{name:9s}{where}", total=None)
                         else:
-                            line(f"{name}{where}: started (timeout {prof.timeout(name)} s)")
+                            line(f"{name}{where}: started (timeout {timeout or prof.timeout(name)} s)")
 
                         def progress(done: list[CaseRecord], total: int | None) -> None:
                             if live:
@@ -586,7 +594,8 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                                 line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
                                      f" [{len(done)}/{total if total is not None else '?'}]{why}")
                             shown[0] = len(done)
-                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock)
+                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock,
+                                         select=select, timeout_s=timeout)
                         results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
                         s = results[name]
                         if live:

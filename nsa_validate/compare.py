@@ -34,17 +34,20 @@ DEFAULT_MAX_REGRESSION_PCT = 10.0
 
 def machine_key(res: dict) -> dict:
     """What a baseline is keyed by: the GPU model, its capability, the profile and the level."""
-    return key_of(res.get("env") or {}, res["manifest"].get("profile"), res["manifest"].get("level") or OLD_LEVEL)
+    man = res["manifest"]
+    return key_of(res.get("env") or {}, man.get("profile"), man.get("level") or OLD_LEVEL, man.get("select"))
 
 
 # runs and baselines made before levels existed ran each profile's whole sweep, today's ``full``
 OLD_LEVEL = "full"
 
 
-def key_of(env: dict, profile: str | None, level: str) -> dict:
-    """``machine_key`` from an env report (``envcheck.EnvReport.to_dict()``), a profile name and level."""
+def key_of(env: dict, profile: str | None, level: str, select: str | None = None) -> dict:
+    """``machine_key`` from an env report (``envcheck.EnvReport.to_dict()``), a profile name, the
+    level and the ``-k`` case selection (None: every case)."""
     gpu = (env.get("facts") or {}).get("gpu") or {}
-    return {"gpu": gpu.get("name", "none (CPU)"), "sm": gpu.get("sm", "-"), "profile": profile, "level": level}
+    return {"gpu": gpu.get("name", "none (CPU)"), "sm": gpu.get("sm", "-"), "profile": profile, "level": level,
+            "select": select}
 
 
 def timings(res: dict) -> dict[str, dict]:
@@ -178,6 +181,9 @@ def check_same_machine(run: dict, base: dict) -> None:
         if run[k] != base[k]:
             raise UsageError(f"baseline is from another machine: {k} {base[k]!r} (baseline) vs {run[k]!r} (this run); "
                              f"compare against a baseline made on {run['gpu']} {run['sm']} with profile {run['profile']}")
+    if run.get("select") != base.get("select"):
+        raise UsageError(f"baseline ran cases selected by -k {base.get('select')!r}, this run -k {run.get('select')!r}: "
+                         "they ran different cases; compare runs of one selection")
     if run["level"] != base["level"]:
         raise UsageError(f"baseline is of level {base['level']!r}, this run of level {run['level']!r}: they run "
                          f"different cases; compare like with like (--level {base['level']})")

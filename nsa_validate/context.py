@@ -25,6 +25,8 @@ class RunContext:
     parent_pid: int | None = None     # the nsa-validate process: the suite process dies with it
     # the lock file of a GPU other suites run on at the same time (``gpu_share``); None: alone
     gpu_lock: str | None = None
+    select: str | None = None         # `-k EXPR`: pytest's case selection, passed to every suite
+    timeout_s: int | None = None      # `--timeout`: each suite's limit instead of the profile's
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -89,8 +89,9 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
     ctx.save(ctx_path)
     cmd = [sys.executable, "-m", "pytest", str(path_of(suite)), "-q", "-rfEs", "-p", "no:cacheprovider",
-           "--rootdir", str(REPO_ROOT), "--nsa-context", str(ctx_path), "--nsa-records", str(rec_path)]
-    timeout = ctx.profile.timeout(suite.name)
+           "--rootdir", str(REPO_ROOT), "--nsa-context", str(ctx_path), "--nsa-records", str(rec_path),
+           *(["-k", ctx.select] if ctx.select else [])]
+    timeout = ctx.timeout_s or ctx.profile.timeout(suite.name)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")

@@ -56,6 +56,17 @@ def test_light_commands_load_neither_torch_nor_pandas(args):
     assert wall < 1.0, f"nsa-validate {' '.join(args)} took {wall:.2f} s (interpreter start included)"
 
 
+def test_k_selects_cases_and_timeout_limits_each_suite(tmp_path):
+    r = cli("suite", "sanity", "-k", "short_sequences and 7", "--out", str(tmp_path / "a"), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = next((tmp_path / "a").glob("*/*"))
+    ids = [c["id"] for c in json.loads((run / "results.json").read_text())["suites"]["sanity"]["cases"]]
+    assert ids and all(i.startswith("short_sequences_finite[7-") for i in ids), ids
+    assert json.loads((run / "manifest.json").read_text())["select"] == "short_sequences and 7"
+    r = cli("suite", "sanity", "--timeout", "1", "--out", str(tmp_path / "b"), "--json")
+    assert r.returncode == 1 and "timed out after 1s" in r.stderr, r.stderr[-2000:]
+
+
 def test_env_json_on_stdout_tables_on_stderr():
     r = cli("env", "--json")
     assert r.returncode in (0, 3)
@@ -64,7 +75,7 @@ def test_env_json_on_stdout_tables_on_stderr():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["suite", "nosuch"], "unknown suite 'nosuch'"),
+    (["suite", "nosuch"], "'nosuch' is not one of 'sanity'"),
     (["suite", "sanity", "--profile", "sm999"], "profile 'sm999' not found"),
     (["suite", "sanity", "--out", "/proc/nsa"], "system location"),
     (["suite", "sanity", "--out", ""], "--out is empty"),
