@@ -37,7 +37,7 @@ from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headli
 from suites import SUITES
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
                   context_settings=HELP_FLAGS, help="Hardware validation harness for Native Sparse Attention.")
 
 
@@ -82,7 +82,13 @@ STYLE = {"pass": "green", "partial": "yellow", "ok": "green", "fail": "red", "er
          "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
 
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
-ProfileOpt = typer.Option(None, "--profile", help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
+def _profile_names(incomplete: str) -> list[str]:
+    """Shell completion of --profile: the shipped profiles' names."""
+    return sorted(p.stem for p in profiles.PROFILE_DIR.glob("*.yaml") if "." not in p.stem and p.stem.startswith(incomplete))
+
+
+ProfileOpt = typer.Option(None, "--profile", autocompletion=_profile_names,
+                          help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
 OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: artifacts/)")
 StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run (unless --allow-skips lists it)")
 MaxRegOpt = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",

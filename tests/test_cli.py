@@ -56,6 +56,21 @@ def test_light_commands_load_neither_torch_nor_pandas(args):
     assert wall < 1.0, f"nsa-validate {' '.join(args)} took {wall:.2f} s (interpreter start included)"
 
 
+COMPLETE = "import sys; sys.argv[0] = 'nsa-validate'; from nsa_validate.cli import main; main()"
+
+
+def test_shell_completion_offers_suites_and_profiles():
+    env = dict(os.environ, _NSA_VALIDATE_COMPLETE="complete_bash", COMP_CWORD="4",
+               COMP_WORDS="nsa-validate suite sanity --profile sm")
+    r = subprocess.run([sys.executable, "-c", COMPLETE], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert {"sm80", "sm90", "sm100"} <= set(r.stdout.split()), r.stdout + r.stderr
+    env.update(COMP_CWORD="2", COMP_WORDS="nsa-validate suite de")
+    r = subprocess.run([sys.executable, "-c", COMPLETE], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert "decode" in r.stdout.split(), r.stdout + r.stderr
+
+
 def test_k_selects_cases_and_timeout_limits_each_suite(tmp_path):
     r = cli("suite", "sanity", "-k", "short_sequences and 7", "--out", str(tmp_path / "a"), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
