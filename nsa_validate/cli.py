@@ -364,7 +364,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
 
 @app.command("report")
 def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
-    """Re-render report.md and metrics.csv of a run folder from its results.json (a folder left running by a
+    """Re-render report.md, summary.txt and metrics.csv of a run folder from its results.json (a folder left running by a
     process that vanished is repaired first: see ``repair``)."""
     manifest = _manifest(run_dir, required=False)
     if manifest is not None and manifest.get("status") == "running" and _stale(manifest):
@@ -372,8 +372,9 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
         _repair(run_dir, manifest)
     res = _load_run(run_dir)
     safefs.atomic_write(run_dir / "report.md", report.render(res))
+    safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
     metrics_csv.write(res, run_dir / "metrics.csv")
-    err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'metrics.csv'}")
+    err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'summary.txt'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
 
@@ -758,6 +759,7 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")
     safefs.atomic_write(run_dir / "report.md", report.render(res))
+    safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
     metrics_csv.write(res, run_dir / "metrics.csv")
     write_json(run_dir / "manifest.json", manifest)
     return res

@@ -4,38 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nsa_validate.report import md_table
-
-
-def _key_figures(res: dict) -> dict:
-    """The headline numbers a fleet owner compares across machines, where the run measured them."""
-    suites, out = res["suites"], {}
-    for c in (suites.get("decode") or {}).get("cases", []):
-        at = (c.get("metrics") or {}).get("checked_at")
-        if c["id"] == "roofline_table" and at:
-            row = next((x["metrics"].get("row", {}) for x in suites["decode"]["cases"]
-                        if x["id"] == f"bench[B{at['B']}-S{at['S']}]"), {})
-            out["decode step (B, S)"] = f"{row.get('step_ms', float('nan')):.4f} ms ({at['B']}, {at['S']})"
-            out["decode % copy bw"] = _num(at.get("pct_copy_bw"), 1)
-            out["decode x dense"] = _num(at.get("speedup_vs_dense"), 2)
-    for c in (suites.get("triton") or {}).get("cases", []):
-        m = c.get("metrics") or {}
-        if c["id"].startswith("bench[") and "sel_fwd" in m:
-            S = c["id"][len("bench[S"):-1]
-            out["sel fwd/bwd ms @" + S] = f"{m['sel_fwd']['median_ms']:.2f} / {m['sel_bwd']['median_ms']:.2f}"
-    for s in suites.values():                           # figures a suite declares (the layer suite)
-        out.update(((s.get("extra") or {}).get("summary")) or {})
-    sug = ((suites.get("fa2") or {}).get("extra") or {}).get("suggest")
-    if sug:
-        out["FA-2 suggestion"] = ", ".join(f"{k}={v}" for k, v in sug.items())
-    return out
-
-
-def _num(x, digits):
-    try:
-        return f"{float(x):.{digits}f}"
-    except (TypeError, ValueError):
-        return ""
+from nsa_validate.report import key_figures, md_table
 
 
 def summarise(runs: list[tuple[Path, dict]]) -> dict:
@@ -50,7 +19,7 @@ def summarise(runs: list[tuple[Path, dict]]) -> dict:
                      "profile": man.get("profile"), "started": man.get("started"),
                      "verdict": res["verdict"]["status"] + (" (strict)" if res["verdict"].get("strict") else ""),
                      "suites": {n: s["status"] for n, s in res["suites"].items()},
-                     "counts": res["verdict"]["totals"], "figures": _key_figures(res),
+                     "counts": res["verdict"]["totals"], "figures": key_figures(res),
                      "blocking": res["verdict"]["blocking"][:5]})
     worst = "fail" if any(r["verdict"].startswith("fail") for r in rows) else \
         "partial" if any(r["verdict"].startswith("partial") for r in rows) else "pass"

@@ -1,4 +1,9 @@
-"""``report.md``, rendered only from ``results.json`` (never written by hand).
+"""``report.md`` and ``summary.txt``, rendered only from ``results.json`` (never written by hand).
+
+The first screen: the verdict line, one line of GPU, commit, level and counts, what was not
+exercised, the key figures (layer vs dense, decode step, selection kernel), what blocks a pass and
+the per-suite table; then the details, long tables folded in ``<details>``. ``summary.txt`` is the
+first screen as plain text, for chat tools and CI job summaries.
 
 Suites may contribute tables through their ``extra`` dict: ``{"tables": {title: [row dicts]},
 "plots": [relative paths], "notes": [lines]}``; these are rendered generically.
@@ -22,6 +27,65 @@ def md_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def key_figures(res: dict) -> dict:
+    """The headline numbers of a run, where it measured them (also the fleet report's columns)."""
+    suites, out = res["suites"], {}
+    for s in suites.values():                           # figures a suite declares (the layer suite)
+        out.update(((s.get("extra") or {}).get("summary")) or {})
+    for c in (suites.get("decode") or {}).get("cases", []):
+        at = (c.get("metrics") or {}).get("checked_at")
+        if c["id"] == "roofline_table" and at:
+            row = next((x["metrics"].get("row", {}) for x in suites["decode"]["cases"]
+                        if x["id"] == f"bench[B{at['B']}-S{at['S']}]"), {})
+            noise = " (CPU timer: host time, noise)" if row.get("timer") == "cpu" else ""
+            out["decode step (B, S)"] = f"{_num(row.get('step_ms'), 4)} ms ({at['B']}, {at['S']}){noise}"
+            out["decode % copy bw"] = _num(at.get("pct_copy_bw"), 1)
+            out["decode x dense"] = _num(at.get("speedup_vs_dense"), 2)
+            if row.get("layer_ms") is not None:
+                out["decode layer step, x dense layer"] = (f"{_num(row['layer_ms'], 4)} ms, "
+                                                           f"{_num(row.get('layer_speedup_vs_dense'), 2)}x")
+    for c in (suites.get("triton") or {}).get("cases", []):
+        m = c.get("metrics") or {}
+        if c["id"].startswith("bench[") and "sel_fwd" in m:
+            S = c["id"][len("bench[S"):-1]
+            out["sel fwd/bwd ms @" + S] = f"{m['sel_fwd']['median_ms']:.2f} / {m['sel_bwd']['median_ms']:.2f}"
+    sug = ((suites.get("fa2") or {}).get("extra") or {}).get("suggest")
+    if sug:
+        out["FA-2 suggestion"] = ", ".join(f"{k}={v}" for k, v in sug.items())
+    return out
+
+
+def _num(x, digits):
+    try:
+        return f"{float(x):.{digits}f}"
+    except (TypeError, ValueError):
+        return ""
+
+
+def _facts_line(res: dict) -> str:
+    man, v = res["manifest"], res["verdict"]
+    gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
+    t = v["totals"]
+    commit = f"{(man.get('commit') or 'no git')[:12]}{' (dirty)' if man.get('dirty') else ''}"
+    return (f"{gpu.get('name', 'CPU (no GPU)')} · commit {commit} · profile {man.get('profile')} · level "
+            f"{man.get('level') or 'full'} · {t['pass']} passed, {t['fail']} failed, {t['error']} errors, "
+            f"{t['skip']} skipped")
+
+
+def summary_text(res: dict) -> str:
+    """The first screen as plain text: verdict, facts, not exercised, key figures, blocking."""
+    v = res["verdict"]
+    out = [f"nsa-validate: {v.get('headline', v['status'].upper())}", _facts_line(res)]
+    out += [f"not exercised: {n}: {why}" for n, why in (v.get("not_exercised") or {}).items()]
+    out += [f"{k}: {val}" for k, val in key_figures(res).items()]
+    out += [f"blocking: {b}" for b in v["blocking"][:10]]
+    return "\n".join(out) + "\n"
+
+
+def _details(summary: str, body: list[str]) -> list[str]:
+    return ["<details>", f"<summary>{summary}</summary>", "", *body, "</details>", ""]
+
+
 def _header(res: dict) -> list[str]:
     man, env = res["manifest"], res.get("env", {})
     facts = env.get("facts", {})
@@ -40,26 +104,26 @@ def _header(res: dict) -> list[str]:
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
 
 
-def render(res: dict) -> str:
+def render(res: dict, plots: bool = True) -> str:
+    """``plots``: embed the suites' PNGs (paths relative to the run folder)."""
     v = res["verdict"]
-    out = [f"# nsa-validate: {v.get('headline', v['status'].upper())}", ""]
+    out = [f"# nsa-validate: {v.get('headline', v['status'].upper())}", "",
+           f"**{_facts_line(res)}**{' (strict)' if v.get('strict') else ''} (placeholder cases not counted)", ""]
     if v.get("not_exercised"):
         out += [f"- **{n} not exercised**: {why}" for n, why in v["not_exercised"].items()] + [""]
-    out += _header(res) + [""]
-    t = v["totals"]
-    out.append(f"**Verdict: {v['status'].upper()}**{' (strict)' if v.get('strict') else ''}: "
-               f"{t['pass']} passed, {t['fail']} failed, {t['error']} errors, {t['skip']} skipped "
-               f"(placeholder cases not counted).")
-    out.append("")
+    figs = key_figures(res)
+    if figs:
+        out += ["## Key figures", "", md_table([{"figure": k, "value": val} for k, val in figs.items()])]
     out.append(md_table([{"suite": n, "status": s["status"], "pass": s["counts"]["pass"], "fail": s["counts"]["fail"],
                           "error": s["counts"]["error"], "skip": s["counts"]["skip"],
                           "duration (s)": s["duration_s"], "note": s.get("reason", "")}
                          for n, s in res["suites"].items()]))
     if v["blocking"]:
         out += ["### What blocks a pass", ""] + [f"- {b}" for b in v["blocking"]] + [""]
+    out += ["## Environment", ""] + _details("machine, versions, commit, command", _header(res) + [""])
     for n, s in res["suites"].items():                  # sections a suite places at the top (the layer)
         if (s.get("extra") or {}).get("placement") == "top":
-            out += _extra(n, s["extra"], titled=False)
+            out += _extra(n, s["extra"], titled=False, plots=plots)
 
     findings = res.get("env", {}).get("findings", [])
     if findings:
@@ -77,10 +141,12 @@ def render(res: dict) -> str:
                                    "rel_rms bar": "not applied" if m.get("rel_rms_bar_not_applied") else "5e-3",
                                    "backends": ", ".join(f"{k}={'/'.join(b)}" for k, b in c.get("backends", {}).items())})
     if parity:
+        bad_rows = sum(r["status"] != "pass" for r in parity)
         out += ["## Parity against the fp32 oracle", "",
                 "Bound = 2x (3x for gradients) the low-precision oracle's error + floor; rel_rms bar 5e-3 "
-                "(where not applied, the case record says why).", "",
-                md_table(parity)]
+                "(where not applied, the case record says why).", ""]
+        out += _details(f"{len(parity)} tensors compared" + (f", {bad_rows} in cases that did not pass" if bad_rows
+                                                             else ", every case passed"), [md_table(parity)])
 
     t4 = [c["metrics"] for c in res["suites"].get("counters", {}).get("cases", [])
           if c["id"].startswith("paper_table4") and "total" in c.get("metrics", {})]
@@ -92,7 +158,7 @@ def render(res: dict) -> str:
 
     for n, s in res["suites"].items():
         if (s.get("extra") or {}).get("placement") != "top":
-            out += _extra(n, s.get("extra") or {}, titled=True)
+            out += _extra(n, s.get("extra") or {}, titled=True, plots=plots)
 
     rt = res.get("routing") or {}
     if rt:
@@ -120,10 +186,15 @@ def render(res: dict) -> str:
         out += ["## Skips allowed in --strict (allow-list)", "",
                 md_table([{"case": a["case"], "skip reason": a["skip_reason"], "allowed because": a["allowed_because"]}
                           for a in v["allowed_skips"]])]
-    skips = [{"suite": n, "case": c["id"], "reason": c["reason"]}
-             for n, s in res["suites"].items() for c in s["cases"] if c["status"] == "skip"]
+    skips: dict[str, list[str]] = {}
+    for n, s in res["suites"].items():
+        for c in s["cases"]:
+            if c["status"] == "skip":
+                skips.setdefault(c["reason"], []).append(f"{n}/{c['id']}")
     if skips:
-        out += ["## Skipped, with reasons", "", md_table(skips)]
+        out += ["## Skipped, with reasons", "",
+                md_table([{"reason": why, "cases": len(ids), "which": ", ".join(ids[:6]) + (" …" if len(ids) > 6 else "")}
+                          for why, ids in sorted(skips.items(), key=lambda kv: -len(kv[1]))])]
     bad = [{"suite": n, "case": c["id"], "status": c["status"], "reason": c["reason"]}
            for n, s in res["suites"].items() for c in s["cases"] if c["status"] in ("fail", "error")]
     if bad:
@@ -133,14 +204,14 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
-def _extra(suite: str, extra: dict, titled: bool) -> list[str]:
+def _extra(suite: str, extra: dict, titled: bool, plots: bool = True) -> list[str]:
     """A suite's own tables, notes and plots (``titled``: table titles prefixed with the suite)."""
     out = []
     for title, rows in (extra.get("tables") or {}).items():
         out += [f"## {suite + ': ' if titled else ''}{title}", "", md_table(rows)]
     out += [f"- {note}" for note in extra.get("notes") or []]
     for plot in extra.get("plots") or []:
-        out += ["", f"![{Path(plot).stem}]({plot})", ""]
+        out += ["", f"![{Path(plot).stem}]({plot})" if plots else f"- plot: `{plot}`", ""]
     return out + [""]
 
 

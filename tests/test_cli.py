@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "junit.xml", "metrics.csv"]
+RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "summary.txt", "junit.xml",
+             "metrics.csv"]
 
 
 def cli(*args, timeout=900):

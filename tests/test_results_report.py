@@ -66,6 +66,17 @@ def test_report_renders_from_results_only(tmp_path):
     assert "prefill/sel=torch" in md and "abc (dirty)" in md
 
 
+def test_first_screen_and_summary_text(tmp_path):
+    res = _results(tmp_path)
+    md = report.render(res)
+    first = md.split("\n")[:4]
+    assert first[0].startswith("# nsa-validate: PARTIAL") and "passed" in first[2] and "level" in first[2]
+    assert md.index("## Environment") < md.index("<details>")            # the header folds away
+    txt = report.summary_text(res)
+    assert txt.startswith("nsa-validate: PARTIAL") and "not exercised: fa2: no CUDA device" in txt
+    assert "|" not in txt and "<" not in txt                                 # plain text, no markup
+
+
 def test_junit_has_every_case(tmp_path):
     res = _results(tmp_path)
     junit.write(res, tmp_path / "j.xml")
