@@ -89,7 +89,7 @@ def _profile_names(incomplete: str) -> list[str]:
 
 ProfileOpt = typer.Option(None, "--profile", autocompletion=_profile_names,
                           help="profile name (profiles/NAME.yaml) or path; default: from the GPU")
-OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: artifacts/)")
+OutOpt = typer.Option(None, "--out", help="root folder for run folders (default: ./artifacts)")
 StrictOpt = typer.Option(False, "--strict", help="a skipped case fails the run (unless --allow-skips lists it)")
 MaxRegOpt = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
                          help="slowdown (%) beyond the sample spread that fails")
@@ -273,8 +273,8 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
     res = _load_run(run_dir)
     if out is not None and not str(out).strip():
         raise UsageError("--out is empty; give the baseline file to write")
-    path = rundir.expand(out) if out is not None else rundir.REPO_ROOT / "baselines" / f"{name}.json"
-    compare.check_target(path, run_dir, protected=(rundir.DEFAULT_OUT,))
+    path = rundir.expand(out) if out is not None else Path.cwd() / "baselines" / f"{name}.json"
+    compare.check_target(path, run_dir, protected=(rundir.default_out(),))
     data, kept = compare.save(res, run_dir, name, path)
     err.print(f"baseline '{name}' ({data['gpu']} {data['sm']}, profile {data['profile']}): {len(data['cases'])} cases, "
               f"{len(data['timings'])} timings -> {path}" + (f" (the previous one kept as {kept.name})" if kept else ""))

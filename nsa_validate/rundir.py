@@ -11,7 +11,12 @@ from pathlib import Path
 from nsa_validate.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "artifacts"
+
+
+def default_out() -> Path:
+    """Where run folders go without ``--out``: ``artifacts/`` under the current directory (the
+    repository's own when run from it, as ``make oneshot`` does)."""
+    return Path.cwd() / "artifacts"
 
 
 def git_info(root: Path = REPO_ROOT) -> dict:
@@ -70,7 +75,7 @@ def check_out(out: str | None) -> Path:
     """Validate ``--out``: not empty, not a system location or a folder of the package itself, a
     directory we can create and write in (relative paths, '..' included, are fine)."""
     if out is None:
-        root = DEFAULT_OUT
+        root = default_out()
     else:
         if not str(out).strip():
             raise UsageError("--out is empty; give the folder to put run folders in")

@@ -83,6 +83,14 @@ def test_k_selects_cases_and_timeout_limits_each_suite(tmp_path):
     assert r.returncode == 1 and "timed out after 1s" in r.stderr, r.stderr[-2000:]
 
 
+def test_runs_land_under_the_current_directory(tmp_path):
+    env = dict(os.environ, NO_COLOR="1", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "nsa_validate", "suite", "sanity", "-k", "short_sequences and 7"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(run_dirs(tmp_path / "artifacts")) == 1
+
+
 def test_env_json_on_stdout_tables_on_stderr():
     r = cli("env", "--json")
     assert r.returncode in (0, 3)

@@ -42,19 +42,20 @@ def tree(p: Path) -> dict:
 
 
 # -- 1. baseline save never writes into runs ---------------------------------------------
+ART = Path(__file__).resolve().parent.parent / "artifacts"    # the default --out of cli(), run from the repo
 @pytest.mark.parametrize("target", ["results", "run", "inside-run", "artifacts", "not-a-baseline", "folder"])
 def test_baseline_out_never_touches_a_run(tmp_path, target):
     run = make_run(tmp_path, "run")
     (tmp_path / "other.txt").write_text("keep me")
     (tmp_path / "dir").mkdir()
     out = {"results": run / "results.json", "run": run, "inside-run": run / "sub" / "b.json",
-           "artifacts": rundir.DEFAULT_OUT / "b.json", "not-a-baseline": tmp_path / "other.txt",
+           "artifacts": ART / "b.json", "not-a-baseline": tmp_path / "other.txt",
            "folder": tmp_path / "dir"}[target]
-    before, art_before = tree(tmp_path), rundir.DEFAULT_OUT.exists() and tree(rundir.DEFAULT_OUT)
+    before, art_before = tree(tmp_path), ART.exists() and tree(ART)
     r = cli("baseline", "save", str(run), "--name", "x", "--out", str(out))
     one_line_exit_2(r)
     assert tree(tmp_path) == before
-    assert (rundir.DEFAULT_OUT.exists() and tree(rundir.DEFAULT_OUT)) == art_before
+    assert (ART.exists() and tree(ART)) == art_before
     assert cli("report", str(run)).returncode == 0
 
 
