@@ -602,7 +602,8 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                                      f" [{len(done)}/{total if total is not None else '?'}]{why}")
                             shown[0] = len(done)
                         ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock,
-                                         select=select, timeout_s=timeout)
+                                         select=select, timeout_s=timeout, run_id=manifest["run_id"],
+                                         commit=(git["short"] or "") + ("-dirty" if git["dirty"] else ""))
                         results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
                         s = results[name]
                         if live:

@@ -25,6 +25,8 @@ class RunContext:
     parent_pid: int | None = None     # the nsa-validate process: the suite process dies with it
     # the lock file of a GPU other suites run on at the same time (``gpu_share``); None: alone
     gpu_lock: str | None = None
+    run_id: str | None = None         # the run folder's id and commit, for CSV columns and plot titles
+    commit: str | None = None
     select: str | None = None         # `-k EXPR`: pytest's case selection, passed to every suite
     timeout_s: int | None = None      # `--timeout`: each suite's limit instead of the profile's
 
@@ -46,6 +48,12 @@ class RunContext:
     def expect(self) -> profiles.ExpectCfg:
         """The profile's expectations for this GPU (``Profile.expectations``), looked up once."""
         return self._expectations[0]
+
+    def run_meta(self, **more) -> dict:
+        """The columns every CSV of a run starts with, and what plot titles say: run id, GPU,
+        commit, level (and ``more``, e.g. the dtype)."""
+        return {"run_id": self.run_id, "gpu": self.device_name or "CPU", "commit": self.commit,
+                "level": self.profile.level, **more}
 
     def expect_note(self) -> str:
         """Where the expectations come from, for the report."""

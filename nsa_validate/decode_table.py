@@ -9,7 +9,7 @@ import pandas as pd
 
 from nsa_validate import roofline
 
-COLUMNS = {
+COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, level, dtype
     "B": "batch rows (one new token each)",
     "S": "context: tokens in the cache including the new one (t = S−1)",
     "timer": "cuda_graph (replays of a captured step), cuda_events (eager) or cpu (perf_counter: noise)",
@@ -46,16 +46,18 @@ COLUMNS = {
 TABLE = "decode step: ms, medians of the samples"
 
 
-def finish(rows: list[dict], extra, notes: list[str] = ()) -> pd.DataFrame:
+def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = None) -> pd.DataFrame:
     """Label ``rows`` per batch size, write CSV and plots under ``extra.dir`` (when set), add the
-    report table and notes to ``extra`` (plugin.SuiteExtra). Returns the labelled table."""
+    report table and notes to ``extra`` (plugin.SuiteExtra). ``meta`` (``RunContext.run_meta``:
+    run id, GPU, commit, level, dtype) leads every CSV row and titles the plots. Returns the table."""
     for B in sorted({r["B"] for r in rows}):
         roofline.label([r for r in rows if r["B"] == B])
     df = pd.DataFrame(rows, columns=list(COLUMNS)).sort_values(["B", "S"])
+    meta = meta or {}
     if extra.dir is not None:
         extra.dir.mkdir(parents=True, exist_ok=True)
-        df.to_csv(extra.dir / "decode.csv", index=False)
-        _plots(df, extra)
+        pd.concat([pd.DataFrame([{k: v for k, v in meta.items() if k not in df.columns}] * len(df), index=df.index), df], axis=1).to_csv(extra.dir / "decode.csv", index=False)
+        _plots(df, extra, meta)
     for r in df.to_dict("records"):
         extra.row(TABLE, {
             "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
@@ -82,20 +84,38 @@ def _f(x, digits: int = 4) -> str:
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _plots(df: pd.DataFrame, extra) -> None:
+def title(what: str, meta: dict) -> str:
+    """A plot title naming what, where and on what: GPU · commit · dtype (the CSV beside the PNG
+    has the numbers)."""
+    where = " · ".join(str(meta[k]) for k in ("gpu", "commit", "dtype") if meta.get(k))
+    return f"{what}\n{where}" if where else what
+
+
+def s_ticks(ax, S) -> None:
+    """Ticks at the measured contexts (a log axis otherwise shows only powers of ten)."""
+    ticks = sorted({int(x) for x in S})
+    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rel = f"suites/{extra.dir.name}"                 # plots are linked relative to the run folder
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.8))
     for B, d in df.groupby("B"):
-        ax.plot(d.S, d.step_ms, "o-", label=f"NSA step B={B}")
+        line, = ax.plot(d.S, d.step_ms, "o-", label=f"NSA step B={B} (p20-p80 band)")
+        ax.fill_between(d.S, d.step_p20_ms, d.step_p80_ms, color=line.get_color(), alpha=0.2, lw=0)
+        if d.layer_ms.notna().any():
+            ax.plot(d.S, d.layer_ms, "o-.", color=line.get_color(), alpha=0.6, label=f"NSA layer step B={B}")
         ax.plot(d.S, d.dense_sdpa_ms, "s--", label=f"dense SDPA B={B}")
         if d.dense_flash_attn_ms.notna().any():
             ax.plot(d.S, d.dense_flash_attn_ms, "^:", label=f"dense flash-attn (same bytes) B={B}")
     ax.set(xscale="log", yscale="log", xlabel="context S (tokens)", ylabel="ms per step (median)",
-           title=f"decode step vs dense ({df.timer.iloc[0]})")
-    ax.legend(fontsize=8)
+           title=title(f"decode step vs dense ({df.timer.iloc[0]})", meta))
+    s_ticks(ax, df.S)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(extra.dir / "decode_time.png", dpi=110)
     plt.close(fig)
@@ -106,7 +126,8 @@ def _plots(df: pd.DataFrame, extra) -> None:
             ax.plot(d.S, d.pct_copy_bw, "o-", label=f"B={B}")
         ax.axhline(100, color="grey", lw=0.8)
         ax.set(xscale="log", xlabel="context S (tokens)", ylabel="% of measured copy bandwidth",
-               title="decode step: achieved / copy bandwidth", ylim=(0, 110))
+               title=title("decode step: achieved / copy bandwidth", meta), ylim=(0, 110))
+        s_ticks(ax, df.S)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(extra.dir / "decode_roofline.png", dpi=110)

@@ -63,14 +63,16 @@ def _cell(m: Measured, digits: int = 3) -> str:
     return f"oom ({m.oom[:60]})" if m.oom else _f(m.ms, digits)
 
 
-def finish(rows: list[Row], extra, device: str) -> pd.DataFrame:
-    """CSV and plot under ``extra.dir`` (when set), the report tables and notes, the headline."""
+def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.DataFrame:
+    """CSV and plot under ``extra.dir`` (when set), the report tables and notes, the headline.
+    ``meta`` (``RunContext.run_meta``) leads every CSV row and titles the plot."""
     recs = records(rows)
     df = pd.DataFrame(recs).sort_values(["d_k", "B", "S"])
+    meta = meta or {}
     if extra.dir is not None:
         extra.dir.mkdir(parents=True, exist_ok=True)
-        df.to_csv(extra.dir / "layer.csv", index=False)
-        _plot(rows, extra)
+        pd.concat([pd.DataFrame([{k: v for k, v in meta.items() if k not in df.columns}] * len(df), index=df.index), df], axis=1).to_csv(extra.dir / "layer.csv", index=False)
+        _plot(rows, extra, meta)
     extra.set("placement", "top")
     for r in sorted(rows, key=lambda r: (r.shape.d_k, r.shape.B, r.shape.S)):
         s = r.shape
@@ -125,7 +127,8 @@ def headline(rows: list[Row]) -> dict[str, str]:
     return out
 
 
-def _plot(rows: list[Row], extra) -> None:
+def _plot(rows: list[Row], extra, meta: dict) -> None:
+    from nsa_validate.decode_table import s_ticks, title
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,13 +143,14 @@ def _plot(rows: list[Row], extra) -> None:
             nsa = [getattr(r, f"nsa_{phase}").ms for r in rs]
             dense = [(r.best_dense(phase) or (None, Measured()))[1].ms for r in rs]
             tag = "fwd" if phase == "fwd" else "fwd+bwd"
-            ax.plot(S, [math.nan if v is None else v for v in nsa], "o" + style, label=f"NSA {tag} {dk}/{dv}")
+            line, = ax.plot(S, [math.nan if v is None else v for v in nsa], "o" + style, label=f"NSA {tag} {dk}/{dv}")
+            band = [(getattr(r, f"nsa_{phase}").p20_ms, getattr(r, f"nsa_{phase}").p80_ms) for r in rs]
+            ax.fill_between(S, [math.nan if a is None else a for a, _ in band], [math.nan if b is None else b for _, b in band],
+                            color=line.get_color(), alpha=0.2, lw=0)
             ax.plot(S, [math.nan if v is None else v for v in dense], "s" + style, alpha=0.7, label=f"dense {tag} {dk}/{dv}")
-    ticks = sorted({r.shape.S for r in ones})
-    ax.set(xscale="log", yscale="log", xlabel="sequence length S (B=1)", ylabel="ms (median)",
-           title="whole layer: NSA vs dense")
-    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks])
-    ax.minorticks_off()
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S (B=1)", ylabel="ms (median; band: p20-p80)",
+           title=title("whole layer: NSA vs dense", meta))
+    s_ticks(ax, [r.shape.S for r in ones])
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(extra.dir / "layer_time.png", dpi=110)

@@ -344,7 +344,7 @@ def test_roofline_table(record, extra, copy_gbs):
     notes = [f"decode bench on {gpu}: {what}, {CFG.dtype}", CTX.expect_note()]
     if copy_gbs:
         notes.append(f"measured device copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB copy, read + write)")
-    df = decode_table.finish(ROWS, extra, notes)
+    df = decode_table.finish(ROWS, extra, notes, meta=CTX.run_meta(dtype=CFG.dtype))
     record.metrics["rows"] = len(df)
     exp = CTX.expect
     top = df[df.B == df.B.max()].sort_values("S").iloc[-1]

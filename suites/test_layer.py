@@ -137,7 +137,8 @@ def test_needle(record):
 def test_layer_table(record, extra):
     if not ROWS:
         pytest.skip("no layer row was measured in this session (see the bench cases)")
-    df = layer_table.finish(ROWS, extra, device=torch.cuda.get_device_name() if DEV == "cuda" else "CPU")
+    df = layer_table.finish(ROWS, extra, device=torch.cuda.get_device_name() if DEV == "cuda" else "CPU",
+                            meta=CTX.run_meta(dtype=CFG.dtype))
     record.metrics["rows"] = len(df)
     exp = CTX.expect
     extra.note(CTX.expect_note())

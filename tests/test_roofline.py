@@ -53,9 +53,13 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
                      "graph_ms": None, "tokens_read": tokens, "speedup_vs_dense": None, "expected_speedup": None,
                      "bytes": roofline.bytes_read(tokens, PAPER.d_k, PAPER.d_v, 2, PAPER.n_kv_heads, 1)})
     extra = SuiteExtra(str(tmp_path / "suites" / "decode"))
-    df = decode_table.finish(rows, extra)
+    meta = {"run_id": "abc1234/20261123T000000Z-host", "gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
+            "level": "standard", "dtype": "bf16"}
+    df = decode_table.finish(rows, extra, meta=meta)
     assert df.launch_bound.all() and df.launch_bound_why.str.contains("flat").all()
-    assert (tmp_path / "suites" / "decode" / "decode.csv").exists()
+    import pandas as pd
+    csv = pd.read_csv(tmp_path / "suites" / "decode" / "decode.csv")
+    assert list(csv.columns[:5]) == list(meta) and (csv.gpu == meta["gpu"]).all() and len(csv) == 4
     s = {"decode": SuiteResult("decode", "pass", 1.0, [CaseRecord("roofline_table", "decode", "pass")],
                                extra=extra.data)}
     res = {"manifest": {"command": []}, "env": {}, "suites": {n: x.to_dict() for n, x in s.items()},
