@@ -282,6 +282,17 @@ def check_flash_attn(torch, tag: str) -> tuple[Finding, dict]:
     return Finding("flash-attn", "ok", f"flash-attn {version}: extension loads, tiny varlen call ran on sm{cap[0]}{cap[1]}"), facts
 
 
+def _collect_env() -> dict:
+    """PyTorch's own environment report (``torch.utils.collect_env``: OS, libc, compilers, CUDA,
+    cuDNN, driver, CPU, the pip and conda package lists), as strings; {"error": …} if it fails."""
+    try:
+        from torch.utils import collect_env
+        return {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v)
+                for k, v in collect_env.get_env_info()._asdict().items()}
+    except Exception as e:  # noqa: BLE001  (a report helper must not break the check)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def collect() -> EnvReport:
     rep = EnvReport()
     f = rep.facts
@@ -300,6 +311,7 @@ def collect() -> EnvReport:
         return rep
     f["torch"] = torch.__version__
     f["torch_cuda"] = torch.version.cuda
+    f["collect_env"] = _collect_env()
     f["cxx11abi"] = bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     installed = {"triton": _dist_version("triton"), "pytorch-triton": _dist_version("pytorch-triton")}
     f["triton"] = installed["triton"] or installed["pytorch-triton"]

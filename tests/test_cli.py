@@ -96,6 +96,8 @@ def test_env_json_on_stdout_tables_on_stderr():
     assert r.returncode in (0, 3)
     data = json.loads(r.stdout)
     assert data["verdict"] in ("ok", "degraded", "broken") and "check" in r.stderr
+    ce = data["facts"]["collect_env"]                     # torch.utils.collect_env's own report
+    assert "error" not in ce and ce["torch_version"] == data["facts"]["torch"] and ce["os"]
 
 
 @pytest.mark.parametrize("args,needle", [
