@@ -590,7 +590,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                         if live:
                             task = bar.add_task(f"{name:9s}{where}", total=None)
                         else:
-                            line(f"{name}{where}: started (timeout {timeout or prof.timeout(name)} s)")
+                            line(f"{name}{where}: started")
 
                         def progress(done: list[CaseRecord], total: int | None) -> None:
                             if live:
@@ -601,8 +601,11 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                                 line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
                                      f" [{len(done)}/{total if total is not None else '?'}]{why}")
                             shown[0] = len(done)
+                        # sharing a GPU, a suite may wait for every other suite's timed cases: its
+                        # limit is then the whole GPU queue's (the time they would take one by one)
+                        limit = timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
                         ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock,
-                                         select=select, timeout_s=timeout, run_id=manifest["run_id"],
+                                         select=select, timeout_s=limit, run_id=manifest["run_id"],
                                          commit=(git["short"] or "") + ("-dirty" if git["dirty"] else ""))
                         results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
                         s = results[name]
