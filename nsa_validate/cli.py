@@ -7,12 +7,12 @@ errored, 2 bad usage or input, 3 environment broken, 130 interrupted.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import json
 import os
 import signal
 import sys
-import enum
 import threading
 import time
 from pathlib import Path
@@ -26,13 +26,12 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import (compare, envcheck, fleet, gpu_share, junit, metrics_csv, profiles, report, rundir, safefs,
-                          thresholds)
-from nsa_validate import __version__
+from nsa_validate import (__version__, compare, envcheck, fleet, gpu_share, junit, metrics_csv, profiles, report, rundir,
+                          safefs, thresholds)
 from nsa_validate.context import RunContext
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.runner import SuiteInterrupted, run_suite
-from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, verdict,
+from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, run_level, verdict,
                                  write_json)
 from suites import SUITES
 
@@ -43,7 +42,6 @@ app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_i
 
 def _print_version(value: bool) -> None:
     if value:
-        from nsa_validate import __version__
         print(f"nsa-validate {__version__}")
         raise typer.Exit()
 
@@ -371,9 +369,7 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
         err.print(f"run was left running ({_stale(manifest)}): marking it interrupted (process vanished)")
         _repair(run_dir, manifest)
     res = _load_run(run_dir)
-    safefs.atomic_write(run_dir / "report.md", report.render(res))
-    safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
-    metrics_csv.write(res, run_dir / "metrics.csv")
+    _write_views(run_dir, res)
     err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'summary.txt'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
@@ -606,7 +602,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                         limit = timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
                         ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock,
                                          select=select, timeout_s=limit, run_id=manifest["run_id"],
-                                         commit=(git["short"] or "") + ("-dirty" if git["dirty"] else ""))
+                                         commit=rundir.commit_label(git))
                         results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
                         s = results[name]
                         if live:
@@ -618,7 +614,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                             line(f"{name}{where}: {s.status} in {s.duration_s:.1f} s ({c['pass']} passed, {c['fail']} "
                                  f"failed, {c['error']} errors, {c['skip']} skipped)")
                 if share_gpu:      # every suite at once; each case holds its GPU's lock (gpu_share)
-                    jobs = [([n], None if n_gpus == 1 else i, str(run_dir / f".gpu{i}.lock"))
+                    jobs = [([n], None if n_gpus == 1 else i, gpu_share.lock_path(run_dir, i))
                             for i, q in enumerate(shards) for n in q]
                 elif n_gpus == 1:
                     jobs = [(shards[0], None, None)]
@@ -628,24 +624,20 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                     work(*jobs[0])
                 else:
                     # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
-                    starting: dict[str, list] = {}            # lock -> [descriptor, suite processes]
-                    for j in jobs:
-                        if j[2]:
-                            if j[2] not in starting:
-                                starting[j[2]] = [gpu_share.acquire(j[2], exclusive=False), 0]
-                            starting[j[2]][1] += 1
+                    starting = {lock: gpu_share.acquire(lock, exclusive=False)
+                                for lock in dict.fromkeys(j[2] for j in jobs if j[2])}
                     threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
                     for th in threads:
                         th.start()
                     t0 = time.monotonic()
                     while any(th.is_alive() for th in threads):
-                        for lock, (fd, n) in list(starting.items()):
-                            ended = sum(1 for th, j in zip(threads, jobs) if j[2] == lock and not th.is_alive())
-                            if gpu_share.started(lock) + ended >= n or time.monotonic() - t0 > 300:
-                                gpu_share.release(fd)
-                                del starting[lock]
+                        for lock in list(starting):
+                            mine = [th for th, j in zip(threads, jobs) if j[2] == lock]
+                            ended = sum(not th.is_alive() for th in mine)
+                            if gpu_share.started(lock) + ended >= len(mine) or time.monotonic() - t0 > 300:
+                                gpu_share.release(starting.pop(lock))
                         time.sleep(0.2)
-                    for fd, _ in starting.values():
+                    for fd in starting.values():
                         gpu_share.release(fd)
     except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
         if isinstance(e, SuiteInterrupted):
@@ -660,18 +652,10 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
             th.join(timeout=60)
         err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
                   f"writing what was finished")
-    for log in run_dir.glob(".gpu*.lock.log"):     # who held each GPU when: kept, and checked
-        with contextlib.suppress(OSError):
-            (run_dir / "logs").mkdir(exist_ok=True)
-            kept = run_dir / "logs" / f"{log.name.split('.')[1]}_share.jsonl"
-            log.replace(kept)
-            bad = gpu_share.overlaps(str(kept))
-            manifest["gpu_share_overlaps"] = manifest.get("gpu_share_overlaps", []) + bad
-            if bad:
-                err.print(f"[red]a timed case shared the GPU[/]: {escape(bad[0])} (+{len(bad) - 1} more; {kept})")
-    for lock in run_dir.glob(".gpu*.lock*"):
-        with contextlib.suppress(OSError):
-            lock.unlink()
+    if share_gpu:                  # who held each GPU when: kept under logs/, and checked
+        bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
+        if bad:
+            err.print(f"[red]a timed case shared the GPU[/]: {escape(bad[0])} (+{len(bad) - 1} more; logs/gpu*_share.jsonl)")
     for name in names:
         if name not in results and status != "env-broken":
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
@@ -762,11 +746,16 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     write_json(run_dir / "routing.json", res["routing"])
     write_json(run_dir / "results.json", res)
     junit.write(res, run_dir / "junit.xml")
+    _write_views(run_dir, res)
+    write_json(run_dir / "manifest.json", manifest)
+    return res
+
+
+def _write_views(run_dir: Path, res: dict) -> None:
+    """What ``report`` re-renders from results.json: report.md, summary.txt, metrics.csv."""
     safefs.atomic_write(run_dir / "report.md", report.render(res))
     safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
     metrics_csv.write(res, run_dir / "metrics.csv")
-    write_json(run_dir / "manifest.json", manifest)
-    return res
 
 
 def _show_verdict(res: dict, run_dir: Path) -> None:
@@ -784,7 +773,7 @@ def _show_verdict(res: dict, run_dir: Path) -> None:
     for name, why in v.get("not_exercised", {}).items():
         err.print(f"  [yellow]○[/] {name} not exercised: {escape(why)}")
     tt = v["totals"]
-    level = res["manifest"].get("level") or compare.OLD_LEVEL
+    level = run_level(res["manifest"])
     err.print(f"VERDICT: {escape(v.get('headline', v['status'].upper()))}{' (strict)' if v['strict'] else ''} · level {level} · {tt['pass']} passed, "
               f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}",
               highlight=False)

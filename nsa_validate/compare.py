@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import load_results, read_json
+from nsa_validate.schema import load_results, read_json, run_level
 
 BASELINE_VERSION = 2
 DEFAULT_MAX_REGRESSION_PCT = 10.0
@@ -35,11 +35,7 @@ DEFAULT_MAX_REGRESSION_PCT = 10.0
 def machine_key(res: dict) -> dict:
     """What a baseline is keyed by: the GPU model, its capability, the profile and the level."""
     man = res["manifest"]
-    return key_of(res.get("env") or {}, man.get("profile"), man.get("level") or OLD_LEVEL, man.get("select"))
-
-
-# runs and baselines made before levels existed ran each profile's whole sweep, today's ``full``
-OLD_LEVEL = "full"
+    return key_of(res.get("env") or {}, man.get("profile"), run_level(man), man.get("select"))
 
 
 def key_of(env: dict, profile: str | None, level: str, select: str | None = None) -> dict:
@@ -131,7 +127,7 @@ def _check_baseline(data: dict) -> None:
             raise ValueError(f"{key}: missing or not a string")
     if data.get("profile") is not None and not isinstance(data["profile"], str):
         raise ValueError("profile: not a string")
-    if not isinstance(data.setdefault("level", OLD_LEVEL), str):
+    if not isinstance(data.setdefault("level", run_level(data)), str):
         raise ValueError("level: not a string")
     if not isinstance(data.get("cases"), dict) or not all(isinstance(v, str) for v in data["cases"].values()):
         raise ValueError("cases: must map case ids to statuses")

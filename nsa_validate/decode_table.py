@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from nsa_validate import roofline
+from nsa_validate import figures, roofline
 
 COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, level, dtype
     "B": "batch rows (one new token each)",
@@ -56,7 +56,7 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
     meta = meta or {}
     if extra.dir is not None:
         extra.dir.mkdir(parents=True, exist_ok=True)
-        pd.concat([pd.DataFrame([{k: v for k, v in meta.items() if k not in df.columns}] * len(df), index=df.index), df], axis=1).to_csv(extra.dir / "decode.csv", index=False)
+        figures.with_run_columns(df, meta).to_csv(extra.dir / "decode.csv", index=False)
         _plots(df, extra, meta)
     for r in df.to_dict("records"):
         extra.row(TABLE, {
@@ -84,20 +84,6 @@ def _f(x, digits: int = 4) -> str:
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def title(what: str, meta: dict) -> str:
-    """A plot title naming what, where and on what: GPU · commit · dtype (the CSV beside the PNG
-    has the numbers)."""
-    where = " · ".join(str(meta[k]) for k in ("gpu", "commit", "dtype") if meta.get(k))
-    return f"{what}\n{where}" if where else what
-
-
-def s_ticks(ax, S) -> None:
-    """Ticks at the measured contexts (a log axis otherwise shows only powers of ten)."""
-    ticks = sorted({int(x) for x in S})
-    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks])
-    ax.minorticks_off()
-
-
 def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -113,8 +99,8 @@ def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
         if d.dense_flash_attn_ms.notna().any():
             ax.plot(d.S, d.dense_flash_attn_ms, "^:", label=f"dense flash-attn (same bytes) B={B}")
     ax.set(xscale="log", yscale="log", xlabel="context S (tokens)", ylabel="ms per step (median)",
-           title=title(f"decode step vs dense ({df.timer.iloc[0]})", meta))
-    s_ticks(ax, df.S)
+           title=figures.title(f"decode step vs dense ({df.timer.iloc[0]})", meta))
+    figures.length_ticks(ax, df.S)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(extra.dir / "decode_time.png", dpi=110)
@@ -126,8 +112,8 @@ def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
             ax.plot(d.S, d.pct_copy_bw, "o-", label=f"B={B}")
         ax.axhline(100, color="grey", lw=0.8)
         ax.set(xscale="log", xlabel="context S (tokens)", ylabel="% of measured copy bandwidth",
-               title=title("decode step: achieved / copy bandwidth", meta), ylim=(0, 110))
-        s_ticks(ax, df.S)
+               title=figures.title("decode step: achieved / copy bandwidth", meta), ylim=(0, 110))
+        figures.length_ticks(ax, df.S)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(extra.dir / "decode_roofline.png", dpi=110)

@@ -8,8 +8,9 @@ locks belong to the open file: they go away with the process, killed or not.
 
 Starting up (importing torch, collecting, creating a CUDA context) also disturbs a measurement, so a
 suite process holds the lock shared from its start until its first case (``announce``), and the
-runner holds it shared until every suite process of the GPU has announced itself
-(``wait_until_started``): the first timed case waits until everyone has started.
+runner holds it shared until every suite process of the GPU has announced itself (``started``):
+the first timed case waits until everyone has started. ``collect`` moves the hold logs into the run's
+``logs/`` and returns the exclusive holds that overlapped another (there should be none).
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ import glob
 import json
 import os
 import time
+from pathlib import Path
+
+
+def lock_path(run_dir: Path, gpu: int) -> str:
+    """The lock file of local GPU ``gpu`` for one run (removed by ``collect``)."""
+    return str(Path(run_dir) / f".gpu{gpu}.lock")
 
 
 def acquire(path: str, exclusive: bool) -> int:
@@ -70,3 +77,19 @@ def announce(path: str) -> int:
 def started(path: str) -> int:
     """How many suite processes have announced themselves on the lock at ``path``."""
     return len(glob.glob(glob.escape(path) + ".started-*"))
+
+
+def collect(run_dir: Path) -> list[str]:
+    """After the run: each GPU's hold log kept as ``logs/gpuN_share.jsonl``, the lock and start
+    files removed; returns the exclusive holds that overlapped another, across GPUs."""
+    run_dir, bad = Path(run_dir), []
+    for log in sorted(run_dir.glob(".gpu*.lock.log")):
+        with contextlib.suppress(OSError):
+            (run_dir / "logs").mkdir(exist_ok=True)
+            kept = run_dir / "logs" / f"{log.name.split('.')[1]}_share.jsonl"
+            log.replace(kept)
+            bad += overlaps(str(kept))
+    for f in run_dir.glob(".gpu*.lock*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+    return bad

@@ -8,12 +8,14 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from nsa_validate.schema import run_level
+
 
 def write(results: dict, path: Path) -> None:
     man = results.get("manifest") or {}
     gpu = ((results.get("env") or {}).get("facts") or {}).get("gpu") or {}
     props = {"gpu": gpu.get("name", "none (CPU)"), "sm": gpu.get("sm", "-"), "commit": man.get("commit"),
-             "dirty": man.get("dirty"), "profile": man.get("profile"), "level": man.get("level"),
+             "dirty": man.get("dirty"), "profile": man.get("profile"), "level": run_level(man),
              "tool_version": man.get("tool_version"), "run_id": man.get("run_id")}
     root = ET.Element("testsuites", name="nsa-validate")
     for name, s in results["suites"].items():

@@ -7,6 +7,7 @@ import math
 
 import pandas as pd
 
+from nsa_validate import figures
 from nsa_validate.bench.layer import STAGES, Measured, Row
 
 TABLE = "Whole layer: NSA prefill vs the fastest same-bytes dense layer (ms, medians)"
@@ -71,7 +72,7 @@ def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.
     meta = meta or {}
     if extra.dir is not None:
         extra.dir.mkdir(parents=True, exist_ok=True)
-        pd.concat([pd.DataFrame([{k: v for k, v in meta.items() if k not in df.columns}] * len(df), index=df.index), df], axis=1).to_csv(extra.dir / "layer.csv", index=False)
+        figures.with_run_columns(df, meta).to_csv(extra.dir / "layer.csv", index=False)
         _plot(rows, extra, meta)
     extra.set("placement", "top")
     for r in sorted(rows, key=lambda r: (r.shape.d_k, r.shape.B, r.shape.S)):
@@ -128,7 +129,6 @@ def headline(rows: list[Row]) -> dict[str, str]:
 
 
 def _plot(rows: list[Row], extra, meta: dict) -> None:
-    from nsa_validate.decode_table import s_ticks, title
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -149,8 +149,8 @@ def _plot(rows: list[Row], extra, meta: dict) -> None:
                             color=line.get_color(), alpha=0.2, lw=0)
             ax.plot(S, [math.nan if v is None else v for v in dense], "s" + style, alpha=0.7, label=f"dense {tag} {dk}/{dv}")
     ax.set(xscale="log", yscale="log", xlabel="sequence length S (B=1)", ylabel="ms (median; band: p20-p80)",
-           title=title("whole layer: NSA vs dense", meta))
-    s_ticks(ax, [r.shape.S for r in ones])
+           title=figures.title("whole layer: NSA vs dense", meta))
+    figures.length_ticks(ax, [r.shape.S for r in ones])
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(extra.dir / "layer_time.png", dpi=110)

@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from nsa_validate.schema import run_level
+
 COLUMNS = ["run_id", "tool_version", "gpu", "commit", "profile", "level", "suite", "case", "status", "params",
            "metric", "value", "unit"]
 
@@ -48,12 +50,11 @@ def _numbers(prefix: str, x):
 
 
 def rows(res: dict) -> list[dict]:
-    from nsa_validate import __version__
     man = res.get("manifest") or {}
     gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
-    run = {"run_id": man.get("run_id"), "tool_version": man.get("tool_version") or __version__,
+    run = {"run_id": man.get("run_id"), "tool_version": man.get("tool_version"),
            "gpu": gpu.get("name", "none (CPU)"), "commit": man.get("commit"), "profile": man.get("profile"),
-           "level": man.get("level")}
+           "level": run_level(man)}
     out = []
     for suite, s in (res.get("suites") or {}).items():
         for c in s.get("cases", []):

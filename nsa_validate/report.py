@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nsa_validate.schema import run_level
+
 
 def md_table(rows: list[dict], columns: list[str] | None = None) -> str:
     if not rows:
@@ -68,7 +70,7 @@ def _facts_line(res: dict) -> str:
     t = v["totals"]
     commit = f"{(man.get('commit') or 'no git')[:12]}{' (dirty)' if man.get('dirty') else ''}"
     return (f"{gpu.get('name', 'CPU (no GPU)')} · commit {commit} · profile {man.get('profile')} · level "
-            f"{man.get('level') or 'full'} · {t['pass']} passed, {t['fail']} failed, {t['error']} errors, "
+            f"{run_level(man)} · {t['pass']} passed, {t['fail']} failed, {t['error']} errors, "
             f"{t['skip']} skipped")
 
 
@@ -99,13 +101,12 @@ def _header(res: dict) -> list[str]:
             ("python", facts.get("python")), ("torch", f"{facts.get('torch')} (CUDA {facts.get('torch_cuda') or '-'})"),
             ("triton", facts.get("triton")),
             ("flash-attn", fa.get("version") if fa.get("installed") else "not installed"),
-            ("commit", commit), ("profile", f"{man.get('profile')}, level {man.get('level') or 'full'}"), ("command", "`" + " ".join(man.get("command", [])) + "`"),
+            ("commit", commit), ("profile", f"{man.get('profile')}, level {run_level(man)}"), ("command", "`" + " ".join(man.get("command", [])) + "`"),
             ("environment verdict", env.get("verdict", "-"))]
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
 
 
-def render(res: dict, plots: bool = True) -> str:
-    """``plots``: embed the suites' PNGs (paths relative to the run folder)."""
+def render(res: dict) -> str:
     v = res["verdict"]
     out = [f"# nsa-validate: {v.get('headline', v['status'].upper())}", "",
            f"**{_facts_line(res)}**{' (strict)' if v.get('strict') else ''} (placeholder cases not counted)", ""]
@@ -123,7 +124,7 @@ def render(res: dict, plots: bool = True) -> str:
     out += ["## Environment", ""] + _details("machine, versions, commit, command", _header(res) + [""])
     for n, s in res["suites"].items():                  # sections a suite places at the top (the layer)
         if (s.get("extra") or {}).get("placement") == "top":
-            out += _extra(n, s["extra"], titled=False, plots=plots)
+            out += _extra(n, s["extra"], titled=False)
 
     findings = res.get("env", {}).get("findings", [])
     if findings:
@@ -158,7 +159,7 @@ def render(res: dict, plots: bool = True) -> str:
 
     for n, s in res["suites"].items():
         if (s.get("extra") or {}).get("placement") != "top":
-            out += _extra(n, s.get("extra") or {}, titled=True, plots=plots)
+            out += _extra(n, s.get("extra") or {}, titled=True)
 
     rt = res.get("routing") or {}
     if rt:
@@ -204,14 +205,14 @@ def render(res: dict, plots: bool = True) -> str:
     return "\n".join(out)
 
 
-def _extra(suite: str, extra: dict, titled: bool, plots: bool = True) -> list[str]:
+def _extra(suite: str, extra: dict, titled: bool) -> list[str]:
     """A suite's own tables, notes and plots (``titled``: table titles prefixed with the suite)."""
     out = []
     for title, rows in (extra.get("tables") or {}).items():
         out += [f"## {suite + ': ' if titled else ''}{title}", "", md_table(rows)]
     out += [f"- {note}" for note in extra.get("notes") or []]
     for plot in extra.get("plots") or []:
-        out += ["", f"![{Path(plot).stem}]({plot})" if plots else f"- plot: `{plot}`", ""]
+        out += ["", f"![{Path(plot).stem}]({plot})", ""]
     return out + [""]
 
 

@@ -98,10 +98,15 @@ def check_out(out: str | None) -> Path:
     return root
 
 
+def commit_label(git: dict) -> str:
+    """``<short-sha>[-dirty]``: the run folder's parent, and the commit CSVs and plots name."""
+    return git["short"] + ("-dirty" if git["dirty"] else "")
+
+
 def create(root: Path, git: dict) -> Path:
     stamp = utc_stamp()
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
-    d = fresh_dir(root / (git["short"] + ("-dirty" if git["dirty"] else "")), f"{stamp}-{host}")
+    d = fresh_dir(root / commit_label(git), f"{stamp}-{host}")
     for sub in ("suites", "logs"):
         (d / sub).mkdir()
     return d

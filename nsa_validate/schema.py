@@ -15,6 +15,13 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 STATUSES = ("pass", "fail", "skip", "error")
+# runs and baselines made before levels existed ran each profile's whole sweep, today's ``full``
+OLD_LEVEL = "full"
+
+
+def run_level(manifest: dict) -> str:
+    """The level a run (or baseline) ran at."""
+    return manifest.get("level") or OLD_LEVEL
 
 
 @dataclass

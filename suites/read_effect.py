@@ -104,8 +104,9 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
     per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
     for i in range(0, len(todo), per_call):
         part = todo[i:i + per_call]
-        # every call has per_call + 1 rows (the unused ones unperturbed): one batch size, so the
-        # Triton decode step compiles once per branch, not once per chunk size (~3 s a compile)
+        # every call of a branch has the same rows, min(todo, per_call) + 1 (the last call's spare
+        # rows unperturbed): one batch size, so the Triton decode step compiles once per branch,
+        # not once per chunk size (~3 s a compile)
         c = copy_rows(cache, min(len(todo), per_call) + 1)
         rows = torch.arange(1, len(part) + 1, device=c.k.device)
         pos = torch.tensor([x for _, x in part], device=c.k.device)

@@ -182,6 +182,7 @@ BENCH = [pytest.param(B, S, id=f"B{B}-S{S}") for B in CFG.batches
 @pytest.mark.nsa_exclusive
 def test_bench(B, S, record, copy_gbs):
     decode = _require()
+    from kernels import fa2
     from kernels.decode_layer import LayerDecodeStep
     cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
     step = decode.DecodeStep(LAYER, cache)
@@ -197,7 +198,8 @@ def test_bench(B, S, record, copy_gbs):
     m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
     layer = LayerDecodeStep(m, cache)
     x = torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE)
-    dense = decode_bench.dense_decodes(LAYER, cache, DTYPE, DEV, flash_attn=_has_flash_attn())
+    dense = decode_bench.dense_decodes(LAYER, cache, DTYPE, DEV,
+                                       flash_attn=fa2.unavailable("flash_attn", device=DEV, dtype=DTYPE) is None)
     t = {}
     with torch.no_grad():
         t["eager"] = _time(lambda: step(**new), graph=False)
@@ -250,14 +252,6 @@ def test_bench(B, S, record, copy_gbs):
            "pct_spec_bw": 100 * gbs / spec if spec and GPU else None}
     ROWS.append(row)
     record.metrics["row"] = row
-
-
-def _has_flash_attn() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:
-        return False
-    return GPU
 
 
 def _distinct_raw_tokens(idx, t: int) -> int:
