@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -188,25 +188,77 @@ def _watch_parent(pid: int) -> None:
     threading.Thread(target=watch, name="nsa-parent-watch", daemon=True).start()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """With other suites on this GPU: the case (setup to teardown) holds the GPU's lock, exclusive
-    for ``nsa_exclusive`` cases, shared otherwise."""
+def _gpu_lock(item) -> str | None:
+    """The GPU lock this case takes part in; None: alone on the GPU, or a case skipped before it
+    starts (it touches no GPU: a placeholder waiting for an exclusive hold only delays its suite)."""
     path = context.current().gpu_lock
+    if not path or item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder"):
+        return None
+    from nsa_validate import gpu_share
+    while _STARTUP:
+        gpu_share.release(_STARTUP.pop())
+    return path
+
+
+def _exclusive(item) -> bool:
+    return item.get_closest_marker("nsa_exclusive") is not None
+
+
+@contextmanager
+def _hold(item, exclusive: bool, phase: str = ""):
+    path = _gpu_lock(item)
     if not path:
         yield
         return
     from nsa_validate import gpu_share
-    while _STARTUP:
-        gpu_share.release(_STARTUP.pop())
-    with gpu_share.hold(path, exclusive=item.get_closest_marker("nsa_exclusive") is not None, what=item.nodeid):
+    with gpu_share.hold(path, exclusive=exclusive, what=item.nodeid + (f" ({phase})" if phase else "")):
         yield
-        # hand the memory this case cached back to the GPU: other suites' cases need it, and a timed
-        # case squeezed for memory measures the allocator's retries (a 64k layer forward: 1.2x dense
-        # instead of 2.3x while five other suite processes kept 65 GiB cached)
-        import torch
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+
+def _release_cached_memory() -> None:
+    # hand the memory a case cached back to the GPU: other suites' cases need it, and a timed case
+    # squeezed for memory measures the allocator's retries (a 64k layer forward: 1.2x dense instead
+    # of 2.3x while five other suite processes kept 65 GiB cached)
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With other suites on this GPU, a parity case (setup to teardown) holds the GPU's lock shared."""
+    if _exclusive(item):
+        yield
+        return
+    with _hold(item, exclusive=False):
+        yield
+        if _gpu_lock(item):
+            _release_cached_memory()
+
+
+# An ``nsa_exclusive`` case holds the lock per phase: its fixtures (inputs, and the compile warm-ups a
+# timed case asks for) run beside other suites' parity cases; only its body runs alone on the GPU.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _hold(item, exclusive=False, phase="setup") if _exclusive(item) else nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _hold(item, exclusive=True) if _exclusive(item) else nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    if not _exclusive(item):
+        yield
+        return
+    with _hold(item, exclusive=False, phase="teardown"):
+        yield
+        if _gpu_lock(item):
+            _release_cached_memory()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ import re
 import threading
 import time
 
+import yaml
+
 from nsa_validate import gpu_share
 from tests.test_cli import _small_profile, cli
 
@@ -33,6 +35,9 @@ def test_shared_holders_overlap_and_an_exclusive_one_waits_for_them(tmp_path):
 
 def test_share_gpu_runs_the_suites_at_once(tmp_path):
     prof = _small_profile(tmp_path)
+    p = yaml.safe_load(prof.read_text())
+    p["suites"]["fa2"]["bench_seq_lens"] = [256]      # a timed case that starts (and skips inside: no GPU)
+    prof.write_text(yaml.safe_dump(p))
     r = cli("suite", "sanity", "fa2", "--profile", str(prof), "--out", str(tmp_path / "runs"), "--share-gpu", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     # stderr is not a terminal here (as in CI): a plain line per suite start, finished case and suite end
@@ -47,4 +52,9 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     assert len(json.loads(r.stdout)["suites"]) == 2
     held = [json.loads(x) for x in (run / "logs" / "gpu0_share.jsonl").read_text().splitlines()]
     assert {h["exclusive"] for h in held} == {False, True}, "no case held the GPU (or none alone)"
+    what = {h["what"] for h in held}
+    # a timed case sets up beside the others and runs alone; a case skipped before it starts holds nothing
+    assert {"suites/test_fa2.py::test_bench[cmp-S256] (setup)", "suites/test_fa2.py::test_bench[cmp-S256]"} <= what, what
+    assert [h for h in held if h["what"] == "suites/test_fa2.py::test_bench[cmp-S256]"][0]["exclusive"]
+    assert not any("not-in-profile" in w for w in what), what
     assert gpu_share.overlaps(str(run / "logs" / "gpu0_share.jsonl")) == []

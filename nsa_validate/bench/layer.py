@@ -242,6 +242,26 @@ def build(shape: Shape, policy: RoutingPolicy, device: str, seed: int = 0) -> tu
     return m, x
 
 
+def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
+    """Compile, untimed, what ``measure(shape)`` runs: one forward and one forward+backward at the
+    shortest power-of-two length (from 4096) that ``policy`` routes as it routes ``shape.S``. Triton
+    specialises a kernel on dtypes, head dims and launch settings, not on the length, so the timed
+    call finds every kernel compiled; a suite runs this beside other suites' parity cases and only
+    the timing alone on the GPU. Nothing to compile on a CPU (the interpreter)."""
+    if device != "cuda":
+        return
+    query = dict(cfg=shape.config(), device=torch.device(device), dtype=DTYPES[shape.dtype])
+    routed = lambda S: {br: d.backend for br, d in routing.prefill_routes(policy, S, **query).items()}  # noqa: E731
+    want, S = routed(shape.S), 4096
+    while S < shape.S and routed(S) != want:
+        S *= 2
+    m, x = build(dataclasses.replace(shape, S=min(S, shape.S)), policy, device)
+    with torch.no_grad():
+        m(x)
+    _fwd_bwd(m, x, torch.randn_like(x))()
+    torch.cuda.synchronize()
+
+
 def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,
             stages: bool = True, capture=routing.capture) -> Row:
     """Time the NSA layer and its dense counterparts on one shape (see the module docstring).
