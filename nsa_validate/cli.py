@@ -51,28 +51,33 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
                                        help="Print the version and exit.")) -> None:
     """Hardware validation harness for Native Sparse Attention."""
 class _Stderr:
-    """sys.stderr for rich, minus failures: a closed terminal (SIGHUP) or a dead pipe (`| tee`
-    killed by Ctrl-C) must not stop the run from writing its folder."""
+    """The process's stderr for rich, minus failures: a closed terminal (SIGHUP) or a dead pipe
+    (`| tee` killed by Ctrl-C) must not stop the run from writing its folder. It keeps the stream it
+    started with: rich's live display points ``sys.stderr`` back at this console while it draws
+    (writing to ``sys.stderr`` from here would loop forever)."""
+
+    def __init__(self) -> None:
+        self.stream = sys.stderr
 
     def write(self, text: str) -> int:
         try:
-            return sys.stderr.write(text)
+            return self.stream.write(text)
         except (OSError, ValueError):
             return len(text)
 
     def flush(self) -> None:
         with contextlib.suppress(OSError, ValueError):
-            sys.stderr.flush()
+            self.stream.flush()
 
     def isatty(self) -> bool:
         try:
-            return sys.stderr.isatty()
+            return self.stream.isatty()
         except (OSError, ValueError):
             return False
 
     @property
     def encoding(self) -> str:
-        return getattr(sys.stderr, "encoding", None) or "utf-8"
+        return getattr(self.stream, "encoding", None) or "utf-8"
 
 
 err = Console(file=_Stderr(), soft_wrap=True)   # lines are never wrapped: CI logs are not terminals
@@ -467,7 +472,7 @@ def _repair(run_dir: Path, manifest: dict) -> dict:
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
                                         cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
             continue
-        total, cases = read_records(rec)
+        total, cases, _ = read_records(rec)
         problem = "" if total is not None and len(cases) >= total else f"process vanished; see logs/{name}.log"
         if problem:
             cases.append(CaseRecord("suite-process", name, "error", problem))
@@ -533,11 +538,13 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
 
     import torch
 
+    t_start = time.monotonic()
     prof = profiles.load(profile, level) if profile else profiles.auto_profile(level)
     root = rundir.check_out(out)
     gpu = torch.cuda.is_available()
     device = "cuda" if prof.device == "cuda" and gpu else "cpu"
     rep = envcheck.collect()
+    t_env = time.monotonic()
     if baseline is not None:       # a baseline from another machine is refused before anything runs
         compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, select), baseline)
     git = rundir.git_info()
@@ -569,7 +576,10 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
             status = "env-broken"
             err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
         elif not stop.is_set():
+            # on a terminal: a bar per suite with the case running now and an ETA from the profile's
+            # expected_s (what the suite took on the family's reference GPU at this level)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[running]}"),
                           console=err, transient=False, disable=not err.is_terminal) as bar:
                 t_run = time.monotonic()
                 live = err.is_terminal          # else (a CI log): one plain line per event
@@ -583,14 +593,16 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                             return
                         where = f" gpu{gpu_index}" if gpu_index is not None else ""
                         shown = [0]
+                        t_suite = time.monotonic()
                         if live:
-                            task = bar.add_task(f"{name:9s}{where}", total=None)
+                            task = bar.add_task(f"{name:9s}{where}", total=None, eta="", running="")
                         else:
                             line(f"{name}{where}: started")
 
-                        def progress(done: list[CaseRecord], total: int | None) -> None:
+                        def progress(done: list[CaseRecord], total: int | None, running: str | None = None) -> None:
                             if live:
-                                bar.update(task, completed=len(done), total=total)
+                                bar.update(task, completed=len(done), total=total, running=running or "",
+                                           eta=_eta(prof.suites.expected_s.get(name), time.monotonic() - t_suite))
                                 return
                             for c in done[shown[0]:]:
                                 why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
@@ -607,7 +619,7 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
                         s = results[name]
                         if live:
                             bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
-                                       total=len(s.cases))
+                                       total=len(s.cases), eta="", running="")
                         else:
                             progress(s.cases, len(s.cases))
                             c = s.counts
@@ -652,6 +664,8 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
             th.join(timeout=60)
         err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
                   f"writing what was finished")
+    # where the wall time went (after the imports): the environment check, the suites, the rest
+    manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
     if share_gpu:                  # who held each GPU when: kept under logs/, and checked
         bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
         if bad:
@@ -679,6 +693,14 @@ def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str 
         return EXIT_ENV_BROKEN
     # partial (a suite executed no check) passes without --strict; under --strict verdict() blocked it
     return EXIT_OK if res["verdict"]["status"] in ("pass", "partial") else EXIT_FAIL
+
+
+def _eta(expected_s: float | None, elapsed_s: float) -> str:
+    """A suite's ETA from the profile's expected duration: '~40 s left', or how far past it is."""
+    if not expected_s:
+        return ""
+    left = expected_s - elapsed_s
+    return f"~{left:.0f} s left" if left >= 0 else f"{-left:.0f} s past the profile's ~{expected_s:.0f} s"
 
 
 def _mark_failed(run_dir: Path, manifest: dict, e: OSError) -> None:

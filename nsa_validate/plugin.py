@@ -318,6 +318,11 @@ def _reason(report) -> str:
     return (" ".join(lines) if lines else (text.strip().splitlines() or [""])[-1])[:1000]
 
 
+def pytest_runtest_logstart(nodeid, location) -> None:
+    """Say which case runs now (a terminal shows it beside the suite's bar)."""
+    _emit(_CONFIG[0], {"running": nodeid.split("::")[-1].removeprefix("test_")})
+
+
 def pytest_runtest_logreport(report) -> None:
     st = _STATE.setdefault(report.nodeid, {"status": "pass", "reason": "", "t0": time.time()})
     if report.when == "setup" and not report.passed:

@@ -102,6 +102,9 @@ class LayerCfg:
 @dataclass
 class SuitesCfg:
     timeout_s: dict[str, int] = field(default_factory=dict)
+    # how long each suite took on the family's reference GPU at this level (seconds; suites sharing
+    # it, cold Triton cache): the ETA a terminal shows. A suite not listed gets no ETA
+    expected_s: dict[str, float] = field(default_factory=dict)
     sanity: SanityCfg = field(default_factory=SanityCfg)
     counters: CountersCfg = field(default_factory=CountersCfg)
     triton: TritonCfg = field(default_factory=TritonCfg)
@@ -313,6 +316,10 @@ def check_ranges(prof: Profile) -> None:
         if name not in SUITES:
             bad(f"suites.timeout_s.{name}", f"a suite name ({', '.join(SUITES)})", name)
         positive(f"suites.timeout_s.{name}", t)
+    for name, t in su.expected_s.items():
+        if name not in SUITES:
+            bad(f"suites.expected_s.{name}", f"a suite name ({', '.join(SUITES)})", name)
+        positive(f"suites.expected_s.{name}", t)
     s = su.sanity
     positive("suites.sanity.batch", s.batch)
     positive("suites.sanity.seq_len", s.seq_len)

@@ -54,10 +54,11 @@ except (OSError, AttributeError):
     _PRCTL = None
 
 
-def read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
-    collected, cases = None, []
+def read_records(path: Path) -> tuple[int | None, list[CaseRecord], str | None]:
+    """(cases collected, the finished cases, the case running now or None) from a suite's records."""
+    collected, cases, running = None, [], None
     if not path.exists():
-        return None, []
+        return None, [], None
     for line in path.read_text().splitlines():
         try:
             d = json.loads(line)
@@ -65,9 +66,12 @@ def read_records(path: Path) -> tuple[int | None, list[CaseRecord]]:
             continue   # a line cut short by a dying process
         if "collected" in d:
             collected = d["collected"]
+        elif "running" in d:
+            running = d["running"]
         else:
             cases.append(CaseRecord(**d))
-    return collected, cases
+            running = None
+    return collected, cases, running
 
 
 def not_implemented(suite: Suite) -> SuiteResult:
@@ -77,7 +81,7 @@ def not_implemented(suite: Suite) -> SuiteResult:
 
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
-              on_progress: Callable[[list[CaseRecord], int | None], None] = lambda done, total: None,
+              on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
               should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
     if suite.module is None:
         return not_implemented(suite)
@@ -103,8 +107,8 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         try:
             while proc.poll() is None:
                 time.sleep(0.3)
-                total, done = read_records(rec_path)
-                on_progress(done, total)
+                total, done, running = read_records(rec_path)
+                on_progress(done, total, running)
                 if time.monotonic() - t0 > timeout:
                     problem = f"timed out after {timeout}s"
                     break
@@ -118,7 +122,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     rc = proc.returncode
-    total, cases = read_records(rec_path)
+    total, cases, _ = read_records(rec_path)
     if not problem:
         if rc is not None and rc < 0:
             problem = f"process killed by signal {signal.Signals(-rc).name}"

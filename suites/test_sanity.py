@@ -8,6 +8,8 @@ different block, so attention is compared given the module's own block indices, 
 selection itself is checked on its own (``selection_agrees_with_oracle``). Every case proves
 from the dispatch log which backend ran.
 """
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -100,15 +102,24 @@ def test_decode_matches_oracle_rows(dt, record):
     m, x, dtype = _layer(dt, seed=2)
     P, S = CFG.decode_from, x.shape[1]
     cache = DecodeCache(m.cfg, x.shape[0], S, device=DEV, dtype=dtype)
-    steps, idx = [], []
-    with record.capture() as log:
-        m(x[:, :P], cache=cache)
+    steps, idx, log = [], [], None
+    # the dispatch log covers every step; the GPU's kernels are observed on the first one only (the
+    # profiler's cost grows with every op it records: ~10 s for 100 steps on an H100)
+    with routing.capture() as every:
         for t in range(P, S):
-            out, info = m.decode(x[:, t:t + 1], cache)
+            with record.capture() if t == P else nullcontext() as first:
+                if t == P:
+                    m(x[:, :P], cache=cache)
+                out, info = m.decode(x[:, t:t + 1], cache)
+            log = first or log
             steps.append(out)
             idx.append(info.idx)
+    backend = m.policy.decode_backend
     for br in BRANCHES:
-        record.expect_ran(log, "decode", br, m.policy.decode_backend)
+        record.expect_ran(log, "decode", br, backend)
+        assert every.ran("decode", br, backend) >= S - P, (
+            f"decode/{br} ran on {backend} in {every.ran('decode', br, backend)} of {S - P} steps; "
+            f"ran: {every.backends('decode')}")
     full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)
     ref32, ref_lp = _oracles(m, x, dtype, idx=full_idx)
     out = torch.cat(steps, dim=1)

@@ -1,6 +1,7 @@
 """The CLI as users run it: exit codes, run folders, bad input, interruption."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -311,3 +312,25 @@ def test_fa2_skips_name_what_is_missing_and_strict_fails(tmp_path):
                 assert any(c["reason"].startswith(f"{b}: {why}") for c in skipped), (b, why)
     else:
         assert r.returncode == 0 and not skipped, r.stderr[-2000:]
+
+
+def test_terminal_progress_shows_the_running_case_and_an_eta(tmp_path):
+    """On a terminal each suite's bar names the case running now and the time left by the profile's
+    ``suites.expected_s``; a suite the profile has no figure for shows no ETA."""
+    prof = _small_profile(tmp_path)
+    p = yaml.safe_load(prof.read_text())
+    p["suites"]["expected_s"] = {"sanity": 600}
+    prof.write_text(yaml.safe_dump(p))
+    env = dict(os.environ, TTY_COMPATIBLE="1", NO_COLOR="1", COLUMNS="200")
+    r = subprocess.run([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", str(prof),
+                        "--out", str(tmp_path / "runs")], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"~5\d\d s left", r.stderr), r.stderr[-2000:]
+    assert re.search(r"~\d+ s left +(prefill_matches_oracle|branch_isolated|decode_matches_oracle_rows|selection_agrees)", r.stderr)
+
+
+def test_eta_text():
+    from nsa_validate.cli import _eta
+    assert _eta(None, 5.0) == "" and _eta(60, 20.4) == "~40 s left"
+    assert _eta(60, 75) == "15 s past the profile's ~60 s"
