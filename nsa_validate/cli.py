@@ -366,7 +366,10 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
 
 
 @app.command("report")
-def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt) -> None:
+def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_out: bool = JsonOpt,
+               embed_plots: bool = typer.Option(False, "--embed-plots", help="draw each plot inline in report.md as a "
+                                                "Mermaid chart (GitHub renders those in job summaries; it strips "
+                                                "embedded images)")) -> None:
     """Re-render report.md, summary.txt and metrics.csv of a run folder from its results.json (a folder left running by a
     process that vanished is repaired first: see ``repair``)."""
     manifest = _manifest(run_dir, required=False)
@@ -374,7 +377,7 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
         err.print(f"run was left running ({_stale(manifest)}): marking it interrupted (process vanished)")
         _repair(run_dir, manifest)
     res = _load_run(run_dir)
-    _write_views(run_dir, res)
+    _write_views(run_dir, res, embed_plots)
     err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'summary.txt'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
@@ -773,9 +776,9 @@ def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, sta
     return res
 
 
-def _write_views(run_dir: Path, res: dict) -> None:
+def _write_views(run_dir: Path, res: dict, embed_plots: bool = False) -> None:
     """What ``report`` re-renders from results.json: report.md, summary.txt, metrics.csv."""
-    safefs.atomic_write(run_dir / "report.md", report.render(res))
+    safefs.atomic_write(run_dir / "report.md", report.render(res, embed_plots))
     safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
     metrics_csv.write(res, run_dir / "metrics.csv")
 

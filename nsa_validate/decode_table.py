@@ -105,7 +105,13 @@ def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
     fig.tight_layout()
     fig.savefig(extra.dir / "decode_time.png", dpi=110)
     plt.close(fig)
-    extra.plot(f"{rel}/decode_time.png")
+    top = df[df.B == df.B.max()].sort_values("S")
+    B = int(top.B.iloc[0])
+    extra.plot(f"{rel}/decode_time.png", figures.chart(
+        f"decode, B={B}, µs per step", "context", top.S, "µs (median)",
+        {"NSA attention step": list(top.step_ms * 1e3), "NSA layer step": list(top.layer_ms * 1e3),
+         "dense attention (same bytes)": list(top[["dense_sdpa_ms", "dense_flash_attn_ms"]].min(axis=1) * 1e3),
+         "dense layer step": list(top[["dense_sdpa_layer_ms", "dense_flash_attn_layer_ms"]].min(axis=1) * 1e3)}))
     if df.pct_copy_bw.notna().any():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for B, d in df.groupby("B"):
@@ -118,4 +124,7 @@ def _plots(df: pd.DataFrame, extra, meta: dict) -> None:
         fig.tight_layout()
         fig.savefig(extra.dir / "decode_roofline.png", dpi=110)
         plt.close(fig)
-        extra.plot(f"{rel}/decode_roofline.png")
+        Ss = sorted(df.S.unique())
+        extra.plot(f"{rel}/decode_roofline.png", figures.chart(
+            "decode step, % of measured copy bandwidth", "context", Ss, "%",
+            {f"B={B}": [d.set_index("S").pct_copy_bw.get(S) for S in Ss] for B, d in df.groupby("B")}))

@@ -155,4 +155,11 @@ def _plot(rows: list[Row], extra, meta: dict) -> None:
     fig.tight_layout()
     fig.savefig(extra.dir / "layer_time.png", dpi=110)
     plt.close(fig)
-    extra.plot(f"suites/{extra.dir.name}/layer_time.png")
+    dk, dv = min({(r.shape.d_k, r.shape.d_v) for r in ones})
+    rs = sorted((r for r in ones if (r.shape.d_k, r.shape.d_v) == (dk, dv)), key=lambda r: r.shape.S)
+    series = {}
+    for phase, tag in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+        series[f"NSA {tag}"] = [getattr(r, f"nsa_{phase}").ms for r in rs]
+        series[f"dense {tag}"] = [(r.best_dense(phase) or (None, Measured()))[1].ms for r in rs]
+    extra.plot(f"suites/{extra.dir.name}/layer_time.png", figures.chart(
+        f"whole layer, B=1, d {dk}/{dv}", "S", [r.shape.S for r in rs], "ms (median)", series))

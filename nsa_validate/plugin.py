@@ -121,9 +121,12 @@ class SuiteExtra:
         self.data[key] = value
         self._save()
 
-    def plot(self, path: str) -> None:
-        """``path``: relative to the run folder (where report.md is)."""
+    def plot(self, path: str, chart: dict | None = None) -> None:
+        """``path``: relative to the run folder (where report.md is); ``chart``: its data as
+        ``figures.chart`` makes it (``report --embed-plots`` draws it inline)."""
         self.data["plots"].append(path)
+        if chart is not None:
+            self.data.setdefault("charts", {})[path] = chart
         self._save()
 
     def _save(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nsa_validate import figures
 from nsa_validate.schema import run_level
 
 
@@ -106,7 +107,9 @@ def _header(res: dict) -> list[str]:
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
 
 
-def render(res: dict) -> str:
+def render(res: dict, embed_plots: bool = False) -> str:
+    """report.md of a run's results; ``embed_plots``: the plots drawn inline as Mermaid charts
+    (GitHub renders them in job summaries, where it strips embedded images)."""
     v = res["verdict"]
     out = [f"# nsa-validate: {v.get('headline', v['status'].upper())}", "",
            f"**{_facts_line(res)}**{' (strict)' if v.get('strict') else ''} (placeholder cases not counted)", ""]
@@ -124,7 +127,7 @@ def render(res: dict) -> str:
     out += ["## Environment", ""] + _details("machine, versions, commit, command", _header(res) + [""])
     for n, s in res["suites"].items():                  # sections a suite places at the top (the layer)
         if (s.get("extra") or {}).get("placement") == "top":
-            out += _extra(n, s["extra"], titled=False)
+            out += _extra(n, s["extra"], titled=False, embed_plots=embed_plots)
 
     findings = res.get("env", {}).get("findings", [])
     if findings:
@@ -159,7 +162,7 @@ def render(res: dict) -> str:
 
     for n, s in res["suites"].items():
         if (s.get("extra") or {}).get("placement") != "top":
-            out += _extra(n, s.get("extra") or {}, titled=True)
+            out += _extra(n, s.get("extra") or {}, titled=True, embed_plots=embed_plots)
 
     rt = res.get("routing") or {}
     if rt:
@@ -205,14 +208,18 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
-def _extra(suite: str, extra: dict, titled: bool) -> list[str]:
-    """A suite's own tables, notes and plots (``titled``: table titles prefixed with the suite)."""
+def _extra(suite: str, extra: dict, titled: bool, embed_plots: bool = False) -> list[str]:
+    """A suite's own tables, notes and plots (``titled``: table titles prefixed with the suite;
+    ``embed_plots``: each plot's data drawn inline too, as a Mermaid chart)."""
     out = []
     for title, rows in (extra.get("tables") or {}).items():
         out += [f"## {suite + ': ' if titled else ''}{title}", "", md_table(rows)]
     out += [f"- {note}" for note in extra.get("notes") or []]
     for plot in extra.get("plots") or []:
         out += ["", f"![{Path(plot).stem}]({plot})", ""]
+        chart = (extra.get("charts") or {}).get(plot)
+        if embed_plots and chart:
+            out += [figures.mermaid(chart), ""]
     return out + [""]
 
 

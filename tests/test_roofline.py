@@ -67,3 +67,12 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
     md = report.render(res)
     table = [ln for ln in md.splitlines() if ln.startswith("| 1 |")]
     assert len(table) == 4 and all("yes: time flat" in ln for ln in table), table
+    # report --embed-plots: each plot's data inline as a Mermaid chart (GitHub strips data: images)
+    assert "```mermaid" not in md
+    md = report.render(res, embed_plots=True)
+    charts = md.count("```mermaid")
+    assert charts == len(extra.data["plots"]) and "xychart-beta" in md, md[-1500:]
+    assert 'x-axis "context" ["128", "512", "1k", "4k"]' in md
+    step = [float(f"{r['step_ms'] * 1e3:.4g}") for r in sorted(rows, key=lambda r: r["S"])]   # µs, 4 digits
+    line = next(ln for ln in md.splitlines() if ln.strip().startswith("line ["))
+    assert [float(x) for x in line.strip()[6:-1].split(",")] == step, (line, step)
