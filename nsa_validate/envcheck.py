@@ -9,6 +9,7 @@ broken (something required mismatched). Verdict: broken > degraded > ok.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import importlib.metadata as md
 import importlib.util
@@ -311,7 +312,20 @@ def collect() -> EnvReport:
         return rep
     f["torch"] = torch.__version__
     f["torch_cuda"] = torch.version.cuda
-    f["collect_env"] = _collect_env()
+    # PyTorch's report runs subprocesses (nvidia-smi, pip list: seconds) beside the checks below
+    report = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="collect_env")
+    pending = report.submit(_collect_env)
+    try:
+        _checks(rep, torch)
+    finally:
+        f["collect_env"] = pending.result()
+        report.shutdown()
+    return rep
+
+
+def _checks(rep: EnvReport, torch) -> None:
+    """The pairing checks once torch imports (``collect``)."""
+    f = rep.facts
     f["cxx11abi"] = bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     installed = {"triton": _dist_version("triton"), "pytorch-triton": _dist_version("pytorch-triton")}
     f["triton"] = installed["triton"] or installed["pytorch-triton"]
@@ -354,7 +368,6 @@ def collect() -> EnvReport:
     else:
         rep.findings.append(check_interpreter(gpu, {"ok": True}, False) if gpu else
                             Finding("triton interpreter", "n/a", "not probed (no triton, or `kernels` is not this repo's)"))
-    return rep
 
 
 def _has_module(name: str) -> bool:

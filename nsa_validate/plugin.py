@@ -195,7 +195,9 @@ def _gpu_lock(item) -> str | None:
     """The GPU lock this case takes part in; None: alone on the GPU, or a case skipped before it
     starts (it touches no GPU: a placeholder waiting for an exclusive hold only delays its suite)."""
     path = context.current().gpu_lock
-    if not path or item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder"):
+    skipped = item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder") or any(
+        m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+    if not path or skipped:
         return None
     from nsa_validate import gpu_share
     while _STARTUP:

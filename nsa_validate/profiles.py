@@ -81,6 +81,8 @@ class DecodeCfg:
     # copy per perturbed token, so the shortest context
     effect_contexts: list[int] = field(default_factory=lambda: [256])
     bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
+    # the Nsight Compute DRAM-counter probe (``dram_reads``, ~10 s on an H100: a profiled process)
+    dram_counters: bool = True
 
 
 @dataclass

@@ -286,6 +286,7 @@ def _distinct_raw_tokens(idx, t: int) -> int:
 STEP_LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
 
 
+@pytest.mark.skipif(not CFG.dram_counters, reason="not at this level (the profile's suites.decode.dram_counters is false)")
 @pytest.mark.nsa_exclusive
 def test_dram_reads(record, extra):
     """The GPU's own DRAM counters (Nsight Compute) on one eager step at the largest batch and
