@@ -34,12 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import LOG2E, LOG2E_C, pow2, precision
 from nsa_core import routing
-from kernels.selection import LOG2E, _pow2, _precision
 
 
 # -- kernels -------------------------------------------------------------------------------
-_LOG2E: tl.constexpr = tl.constexpr(LOG2E)      # the same constant, usable inside kernels
 
 
 @triton.jit
@@ -140,7 +139,7 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
             acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
                                        scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, True)
         empty = l_i == 0.0
-        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
+        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
         if WITH_O:
             _store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
@@ -182,7 +181,7 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
         do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
         o = _load_2d(O, t * sot + head * soh, ok, DV, BDV)
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
@@ -209,7 +208,7 @@ def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh
     t = (bos + t_rel).to(tl.int64)
     q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
     do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
-    lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * _LOG2E
+    lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
@@ -372,7 +371,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     B = cu_seqlens.numel() - 1
     if T and B and max_seqlen:
-        BDK, BDV = _pow2(dk), _pow2(dv)
+        BDK, BDV = pow2(dk), pow2(dv)
         lc = launch_config("fwd", h, BDK, BDV if with_o else 16, q.element_size())
         BT, BC = lc.pop("BT"), lc.pop("BC")
         o_arg = out if with_o else lse                   # not touched without WITH_O
@@ -381,7 +380,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
-            BC=BC, BDK=BDK, BDV=BDV, PREC=_precision(q.dtype), WITH_O=with_o, **lc)
+            BC=BC, BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
         routing.note("kernel", "cmp_fwd", "triton")
     return out, lse
 
@@ -403,7 +402,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     if not (T and B and max_seqlen):
         return dq.zero_(), dk, dv
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
-    BDK, BDV, BH, prec = _pow2(d_k), _pow2(d_v), triton.next_power_of_2(h), _precision(q.dtype)
+    BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
     lc = launch_config("dq", h, BDK, BDV, q.element_size())
     BT = lc.pop("BT")

@@ -39,11 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import LOG2E
 from nsa_core import routing
-from nsa_core.config import NSAConfig
-
-LOG2E = 1.4426950408889634
-BRANCHES = ("cmp", "sel", "win")
+from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration (H100-tuned; see the decode suite's bench)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop

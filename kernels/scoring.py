@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import LOG2E, LOG2E_C, pow2, precision
+from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import routing
-from kernels.compressed import _LOG2E, _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
-from kernels.selection import LOG2E, _pow2, _precision
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
 
@@ -77,7 +77,7 @@ def _score_chunk(top, carry, Q, LSE, t, tok, tok_ok, cur, c, n_hi, cbos, g, ov, 
         head = g * H_PER_G + hh
         q = _load_2d(Q, t * sqt + head * sqh, tok_ok, DK, BDK)
         # rows past the sequence load lse = +inf: p = 0
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=tok_ok, other=float("inf")) * _LOG2E
+        lse2 = tl.load(LSE + t * slt + head * slh, mask=tok_ok, other=float("inf")) * LOG2E_C
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         if MASKED:
             psum += tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)
@@ -213,7 +213,7 @@ class _Launch(torch.autograd.Function):
     def forward(ctx, q, k_cmp, lse, cu_seqlens, cu_cmp, out, scale, max_seqlen, G, h,
                 cmp_len, cmp_stride, block_size, n_selected):
         B, dk = cu_seqlens.numel() - 1, q.shape[2]
-        BDK = _pow2(dk)
+        BDK = pow2(dk)
         lc = launch_config(h, BDK, n_selected, q.element_size())
         BT, BB = lc.pop("BT"), lc.pop("BB")
         _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
@@ -222,7 +222,7 @@ class _Launch(torch.autograd.Function):
             out.stride(0), out.stride(1), scale * LOG2E,
             CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
             BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
-            PREC=_precision(q.dtype), **lc)
+            PREC=precision(q.dtype), **lc)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
         ctx.mark_non_differentiable(out)
         return out

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import LOG2E, LOG2E_C, pow2, precision
 from nsa_core import routing
-
-LOG2E = 1.4426950408889634
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -105,7 +104,7 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
             m_i = m_new
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(O + t * sot + heads[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(LSE + t * slt + heads * slh, lse, mask=row_ok)
@@ -133,7 +132,7 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
         q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
         do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
         o = _load_rows(O, t, heads, row_ok, sot, soh, DV, BDV)
-        lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * LOG2E_C
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
@@ -196,7 +195,7 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
                         mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
             do = tl.load(DO + tq[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
                          mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * LOG2E_C
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
             valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -242,10 +241,6 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
 
 
 # -- launchers -----------------------------------------------------------------------------
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(x))
-
-
 def launch_config(kernel: str, BDK: int, BDV: int) -> dict:
     """num_warps / num_stages per kernel ("fwd", "dq", "dkdv") and padded head dims.
 
@@ -264,11 +259,6 @@ def launch_config(kernel: str, BDK: int, BDV: int) -> dict:
     if kernel == "dkdv":      # rows: query-head rows per inner step; segment: queries per program
         return {"num_warps": 8 if wide else 4, "rows": 64, "segment": SEGMENT}
     return {"num_warps": 4 if wide else 2, "num_stages": 2}
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not be rounded to tf32 by tl.dot: the fp32 case is compared at fp32 floor
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
@@ -318,14 +308,14 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     B = cu.numel() - 1
     if T and B and max_seqlen:
-        BDK, BDV = _pow2(dk), _pow2(dv)
+        BDK, BDV = pow2(dk), pow2(dv)
         _sel_fwd_kernel[(max_seqlen, G, B)](
             q, k, v, block_idx, cu, out, lse,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             scale * LOG2E,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
-            BH=_pow2(h), BN=_pow2(block_size), BDK=BDK, BDV=BDV, PREC=_precision(q.dtype),
+            BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype),
             **launch_config("fwd", BDK, BDV))
         routing.note("kernel", "sel_fwd", "triton")
     return out, lse
@@ -408,7 +398,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
         return dq, dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
-    BDK, BDV, BN, prec = _pow2(d_k), _pow2(d_v), _pow2(block_size), _precision(q.dtype)
+    BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
     _sel_dq_kernel[(max_seqlen, G, B)](
         q, k, v, block_idx, cu, o, do, lse, delta, dq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -416,7 +406,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
         lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), scale, scale * LOG2E,
         H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
-        BH=_pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **launch_config("dq", BDK, BDV))
+        BH=pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **launch_config("dq", BDK, BDV))
     cfg_kv = launch_config("dkdv", BDK, BDV)
     rows, segment = cfg_kv.pop("rows"), cfg_kv.pop("segment")
     ri = reverse_index(block_idx, cu, block_size, segment)

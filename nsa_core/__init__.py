@@ -5,7 +5,7 @@ without torch: the CLI's ``--help``, ``list``, ``report`` and ``compare`` never 
 import importlib
 
 _WHERE = {"NSAConfig": "config", "PAPER": "config", "tiny": "config", "NSAAttention": "module",
-          "StepInfo": "module", "DecodeCache": "cache", "RoutingPolicy": "routing", "BRANCHES": "routing"}
+          "StepInfo": "module", "DecodeCache": "cache", "RoutingPolicy": "routing", "BRANCHES": "config"}
 __all__ = list(_WHERE)
 
 

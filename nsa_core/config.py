@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+BRANCHES = ("cmp", "sel", "win")    # compressed, selected, sliding window: the gate's order
+
 
 @dataclass(frozen=True)
 class NSAConfig:

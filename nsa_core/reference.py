@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_core.config import NSAConfig
+from nsa_core.config import BRANCHES, NSAConfig
 
-BRANCHES = ("cmp", "sel", "win")
 _CHUNK = 256
 
 

@@ -5,7 +5,7 @@ Two separate things live here:
 * ``RoutingPolicy`` — what the profile *asks* for (length thresholds per branch).
 * ``DispatchLog`` — what *actually executed*. Every branch implementation calls ``note()`` as
   it runs, so a suite can assert "the Triton selection kernel ran" from evidence rather than
-  from a flag (the old harness reported FA-2 parity while a guard silently ran SDPA).
+  from a flag (a guard that silently falls back to SDPA cannot pass for FA-2).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
-BRANCHES = ("cmp", "sel", "win")
+from nsa_core.config import BRANCHES
 FA2_BACKENDS = ("auto", "flash_attn", "varlen")   # auto: flash-attn when it loads, else torch's varlen kernel
 DECODE_BACKENDS = ("torch", "triton")
 PREFILL_STAGES = (*BRANCHES, "select", "mix")   # the routed prefill work: the branches, block selection, the gated mix

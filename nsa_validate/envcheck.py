@@ -23,7 +23,8 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from nsa_validate.paths import REPO_ROOT
+
 REQUIRED = ("typer", "rich", "pandas", "pytest", "PyYAML", "matplotlib", "packaging")
 # Fallback only, when torch's metadata carries no pin (source/conda builds): torch major.minor ->
 # triton major.minor it was released with.

@@ -21,8 +21,8 @@ import yaml
 
 from nsa_core.routing import RoutingPolicy
 from nsa_validate.errors import UsageError
+from nsa_validate.paths import PROFILE_DIR
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 LEVELS = ("quick", "standard", "full")
 DEFAULT_LEVEL = "standard"
 

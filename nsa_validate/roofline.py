@@ -1,7 +1,7 @@
 """Decode roofline figures (docs/method.md): bytes a step reads, achieved bandwidth, launch-bound label.
 
-The seeds' decode bench reported ~5-6 ms per step, flat from 128 to 4096 tokens: it timed Python
-and host syncs, not the GPU. Two independent signs expose that, and either labels a row
+A decode bench that times Python and host syncs instead of the GPU shows a step time flat in the
+context (e.g. ~5-6 ms from 128 to 4096 tokens). Two independent signs expose that, and either labels a row
 ``launch_bound``: the eager step is much slower than its CUDA-graph replay (eager/graph > 1.5),
 or, along a context sweep, the bytes read grow several-fold while the step time barely moves.
 A row timed on the CPU (``timer == "cpu"``: no GPU, kernels in the Triton interpreter) is host time

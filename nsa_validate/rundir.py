@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from nsa_validate.errors import UsageError
+from nsa_validate.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def default_out() -> Path:

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Callable
 
 from nsa_validate.context import RunContext
+from nsa_validate.paths import REPO_ROOT
 from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
 from suites import Suite, path_of
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def suite_env(ctx: RunContext) -> dict:
@@ -74,17 +74,9 @@ def read_records(path: Path) -> tuple[int | None, list[CaseRecord], str | None]:
     return collected, cases, running
 
 
-def not_implemented(suite: Suite) -> SuiteResult:
-    return SuiteResult(suite.name, "skip", reason="not implemented",
-                       cases=[CaseRecord("not-implemented", suite.name, "skip", "not implemented",
-                                         placeholder=True)])
-
-
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
               on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
               should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
-    if suite.module is None:
-        return not_implemented(suite)
     ctx_path = run_dir / "suites" / f"{suite.name}.context.json"
     rec_path = run_dir / "suites" / f"{suite.name}.records.jsonl"
     log_path = run_dir / "logs" / f"{suite.name}.log"

@@ -1,8 +1,4 @@
-"""The validation suites the CLI drives (each a pytest module run in its own process).
-
-A suite whose ``module`` is None is listed and reported as skipped "not implemented" — never
-silently missing from a run.
-"""
+"""The validation suites the CLI drives (each a pytest module run in its own process)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +10,7 @@ HERE = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class Suite:
     name: str
-    module: str | None          # file under suites/, None until built
+    module: str                 # its file under suites/
     proves: str
 
 
@@ -33,5 +29,5 @@ SUITES = {s.name: s for s in [
 ]}
 
 
-def path_of(suite: Suite) -> Path | None:
-    return HERE / suite.module if suite.module else None
+def path_of(suite: Suite) -> Path:
+    return HERE / suite.module

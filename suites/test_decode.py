@@ -32,7 +32,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nsa_core import routing
 from nsa_validate import decode_table, evidence, limits, ncu, roofline, timing
 from nsa_validate.bench import decode as decode_bench
 from nsa_validate.context import current

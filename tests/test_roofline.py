@@ -1,4 +1,4 @@
-"""Decode roofline helpers: the seeds' flat, host-bound curve is labelled launch-bound."""
+"""Decode roofline helpers: a flat, host-bound curve is labelled launch-bound."""
 from nsa_validate import roofline
 
 
@@ -9,8 +9,8 @@ def test_bytes_and_bandwidth():
     assert abs(roofline.achieved_gbs(b, 0.1) - b / 1e-4 / 1e9) < 1e-6
 
 
-def test_seeds_flat_curve_is_labelled_launch_bound():
-    """~5-6 ms per step from 128 to 4096 tokens (the old harness's decode bench): the time ignores a 32x growth in bytes."""
+def test_flat_host_bound_curve_is_labelled_launch_bound():
+    """~5-6 ms per step from 128 to 4096 tokens (a bench timing Python): the time ignores a 32x growth in bytes."""
     rows = [{"S": S, "bytes": roofline.bytes_read(S, 192, 128, 2, 4, 1), "step_ms": ms}
             for S, ms in [(128, 5.4), (512, 5.6), (1024, 5.5), (4096, 5.9)]]
     out = roofline.label(rows)
@@ -32,7 +32,7 @@ def test_eager_much_slower_than_graph_is_labelled():
 
 
 def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
-    """The seeds' mistake, reproduced: a 'step' whose time is host overhead (a fixed sleep, the
+    """A host-bound bench, reproduced: a 'step' whose time is host overhead (a fixed sleep, the
     cache never read) timed over 128..4096 tokens. The decode table and report.md say launch-bound,
     because the curve is flat while the bytes grow 32x — with the timer label on top."""
     import time
