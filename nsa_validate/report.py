@@ -6,7 +6,8 @@ the per-suite table; then the details, long tables folded in ``<details>``. ``su
 first screen as plain text, for chat tools and CI job summaries.
 
 Suites may contribute tables through their ``extra`` dict: ``{"tables": {title: [row dicts]},
-"plots": [relative paths], "notes": [lines]}``; these are rendered generically.
+"plots": [relative paths], "charts": {plot path: chart data}, "notes": [lines]}``; these are
+rendered generically (charts only with ``embed_plots``, as Mermaid: ``figures.mermaid``).
 """
 from __future__ import annotations
 
