@@ -1,6 +1,7 @@
 """The decode bench's output (docs/method.md): launch-bound labels, ``decode.csv``, two PNG plots and the
-report table, from the rows the ``decode`` suite measured. One row per (B, S); ``COLUMNS`` is the
-CSV's documentation (also written into the report)."""
+report table, from the rows the ``decode`` suite measured (one row per (B, S); ``COLUMNS`` is the
+CSV's documentation, also written into the report); and the table of the DRAM bytes Nsight Compute
+counted on one step (``dram_rows``)."""
 from __future__ import annotations
 
 import math
@@ -78,6 +79,28 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
         extra.note(n)
     extra.note("decode.csv columns: " + "; ".join(f"`{k}` {v}" for k, v in COLUMNS.items()))
     return df
+
+
+DRAM_TABLE = "decode step: DRAM bytes counted by the GPU (ncu) vs the formula"
+
+
+def dram_rows(df: pd.DataFrame, launches, B: int, S: int, shares: dict[int, float], formula_total: float,
+              counted_total: float, distinct: float) -> list[dict]:
+    """The report's rows for one profiled step: per launch (``df`` from ``ncu.dram_bytes``: kernel,
+    dram_read, dram_write in bytes, in launch order; ``launches`` what each is) its DRAM bytes and,
+    for the launches that read the cache (``shares``: launch index -> the formula's bytes), the
+    ratio; then the whole step: DRAM read vs the formula's bytes, with the bytes counted from the
+    step's own indices (and their distinct tokens) beside them."""
+    rows = [{"B": B, "S": S, "launch": what, "kernel": row.kernel, "DRAM read MB": f"{row.dram_read / 1e6:.2f}",
+             "DRAM write MB": f"{row.dram_write / 1e6:.2f}",
+             "formula MB": f"{shares[i] / 1e6:.2f}" if i in shares else "",
+             "read / formula": f"{row.dram_read / shares[i]:.3f}" if i in shares else ""}
+            for i, (row, what) in enumerate(zip(df.itertuples(), launches))]
+    total = float(df.dram_read.sum())
+    return rows + [{"B": B, "S": S, "launch": "whole step",
+                    "kernel": f"counted from indices: {counted_total / 1e6:.2f} MB ({distinct / 1e6:.2f} MB distinct tokens)",
+                    "DRAM read MB": f"{total / 1e6:.2f}", "DRAM write MB": f"{df.dram_write.sum() / 1e6:.2f}",
+                    "formula MB": f"{formula_total / 1e6:.2f}", "read / formula": f"{total / formula_total:.3f}"}]
 
 
 def _f(x, digits: int = 4) -> str:

@@ -317,20 +317,12 @@ def test_dram_reads(record, extra):
     except ncu.NoCounterAccess as e:
         pytest.skip(str(e))
     assert len(df) == len(STEP_LAUNCHES), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(STEP_LAUNCHES)}"
+    # the launches that read the cache: the compressed partial, and the window + selection partial
     shares = {1: formula["cmp"], 4: formula["sel"] + formula["win"]}
-    for i, (row, what) in enumerate(zip(df.itertuples(), STEP_LAUNCHES)):
-        extra.row("decode step: DRAM bytes counted by the GPU (ncu) vs the formula", {
-            "B": B, "S": S, "launch": what, "kernel": row.kernel, "DRAM read MB": f"{row.dram_read / 1e6:.2f}",
-            "DRAM write MB": f"{row.dram_write / 1e6:.2f}",
-            "formula MB": f"{shares[i] / 1e6:.2f}" if i in shares else "",
-            "read / formula": f"{row.dram_read / shares[i]:.3f}" if i in shares else ""})
     total, f_total, c_total = float(df.dram_read.sum()), sum(formula.values()), sum(counted.values())
     ratio = total / f_total
-    extra.row("decode step: DRAM bytes counted by the GPU (ncu) vs the formula", {
-        "B": B, "S": S, "launch": "whole step",
-        "kernel": f"counted from indices: {c_total / 1e6:.2f} MB ({distinct / 1e6:.2f} MB distinct tokens)",
-        "DRAM read MB": f"{total / 1e6:.2f}", "DRAM write MB": f"{df.dram_write.sum() / 1e6:.2f}",
-        "formula MB": f"{f_total / 1e6:.2f}", "read / formula": f"{ratio:.3f}"})
+    for row in decode_table.dram_rows(df, STEP_LAUNCHES, B, S, shares, f_total, c_total, distinct):
+        extra.row(decode_table.DRAM_TABLE, row)
     record.metrics.update(B=B, S=S, dram_read=total, dram_write=float(df.dram_write.sum()), formula_bytes=f_total,
                           counted_bytes=c_total, distinct_bytes=distinct, ratio=ratio,
                           launches=df.assign(what=list(STEP_LAUNCHES)).to_dict("records"))

@@ -76,3 +76,21 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
     step = [float(f"{r['step_ms'] * 1e3:.4g}") for r in sorted(rows, key=lambda r: r["S"])]   # µs, 4 digits
     line = next(ln for ln in md.splitlines() if ln.strip().startswith("line ["))
     assert [float(x) for x in line.strip()[6:-1].split(",")] == step, (line, step)
+
+
+def test_dram_rows_put_each_launch_beside_its_formula_share():
+    """The ncu table: a row per launch (the ratio only where a launch reads the cache), then the whole
+    step with the bytes counted from the indices. Figures from an H200 step (B=16, 128k)."""
+    import pandas as pd
+
+    from nsa_validate import decode_table
+    launches = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
+    df = pd.DataFrame({"kernel": ["_append_kernel", "_partial_kernel", "_scores_kernel", "_topn_kernel", "_partial_kernel",
+                                  "_merge_kernel"],
+                       "dram_read": [0.05e6, 337.18e6, 9.59e6, 0.57e6, 57.98e6, 10.16e6],
+                       "dram_write": [0.0, 14.89e6, 0.0, 0.0, 0.06e6, 0.0]})
+    rows = decode_table.dram_rows(df, launches, 16, 131072, {1: 335.50e6, 4: 62.91e6}, 398.42e6, 398.42e6, 392.89e6)
+    assert [r["launch"] for r in rows] == [*launches, "whole step"]
+    assert rows[1]["read / formula"] == "1.005" and rows[4]["read / formula"] == "0.922" and rows[0]["read / formula"] == ""
+    assert rows[-1]["DRAM read MB"] == "415.53" and rows[-1]["read / formula"] == "1.043"
+    assert "392.89 MB distinct" in rows[-1]["kernel"]
