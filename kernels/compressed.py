@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import LOG2E, LOG2E_C, pow2, precision
-from nsa_core import routing
+from nsa_core import dispatch
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
             o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
             BC=BC, BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
-        routing.note("kernel", "cmp_fwd", "triton")
+        dispatch.note("kernel", "cmp_fwd", "triton")
     return out, lse
 
 
@@ -426,7 +426,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         _cmp_dkdv_reduce_kernel[(NCH, G, B)](
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
             DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
-    routing.note("kernel", "cmp_bwd", "triton")
+    dispatch.note("kernel", "cmp_bwd", "triton")
     return dq, dk, dv
 
 

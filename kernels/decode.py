@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import LOG2E
-from nsa_core import routing
+from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration (H100-tuned; see the decode suite's bench)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
@@ -433,7 +433,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS)
     for br in branches:
-        routing.note(phase, br, "triton")
+        dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}
     return StepOut({br: ws.out[n] for br, n in i.items()}, {br: ws.reads[n] for br, n in i.items()},
                    ws.idx if "sel" in want else None, ws.mix if gate is not None else None)

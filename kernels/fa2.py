@@ -26,7 +26,7 @@ import inspect
 
 import torch
 
-from nsa_core import routing
+from nsa_core import dispatch, routing
 from nsa_core.config import NSAConfig
 
 BACKENDS = routing.FA2_BACKENDS[1:]            # ("flash_attn", "varlen"); "auto" picks one
@@ -112,12 +112,12 @@ def _call(backend, q, k, v, cu_q, cu_k, max_q, max_k, scale, left: int):
     return o[..., :d_v]
 
 
-@routing.ranged("kernel", "causal")
+@dispatch.ranged("kernel", "causal")
 def causal_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, scale: float | None = None):
     """Plain causal varlen attention: [T, H, d_v]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     o = _call(backend, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, -1)
-    routing.note("kernel", "causal", f"fa2:{backend}")
+    dispatch.note("kernel", "causal", f"fa2:{backend}")
     return o
 
 
@@ -127,7 +127,7 @@ GQA backward allocates dk/dv per *query* head plus an fp32 dq accumulator (at 64
 d 192: ~7.5 GiB at once); one KV head's group at a time needs 1/G of that."""
 
 
-@routing.ranged("kernel", "win")
+@dispatch.ranged("kernel", "win")
 def window_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int, backend: str,
                      scale: float | None = None, split_heads_from: int = SPLIT_HEADS_FROM):
     """Sliding window: query t attends to positions max(0, t−w+1) .. t. [T, H, d_v]. Large inputs
@@ -142,7 +142,7 @@ def window_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int, backend:
                                max_seqlen, max_seqlen, scale, window - 1) for g in range(G)], dim=1).flatten(1, 2)
     else:
         o = _call(backend, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, window - 1)
-    routing.note("kernel", "win", f"fa2:{backend}")
+    dispatch.note("kernel", "win", f"fa2:{backend}")
     return o
 
 
@@ -175,7 +175,7 @@ def compressed_layout(lens: tuple[int, ...], cfg: NSAConfig, device) -> dict:
             "cu": torch.tensor(cu, dtype=torch.int32, device=device), "max_len": max_len}
 
 
-@routing.ranged("kernel", "cmp")
+@dispatch.ranged("kernel", "cmp")
 def compressed_attention(q, k_cmp, v_cmp, layout: dict, backend: str, scale: float | None = None):
     """Compressed branch: q [T, H, d_k] over k_cmp/v_cmp [N, G, d] -> [T, H, d_v] (zero rows for
     queries with no compressed token). ``layout`` from ``compressed_layout``."""
@@ -186,7 +186,7 @@ def compressed_attention(q, k_cmp, v_cmp, layout: dict, backend: str, scale: flo
                   v_cmp.index_select(0, layout["k_index"]), layout["cu"], layout["cu"],
                   layout["max_len"], layout["max_len"], scale, -1)
         out = out.index_copy(0, layout["q_index"], o)
-    routing.note("kernel", "cmp", f"fa2:{backend}")
+    dispatch.note("kernel", "cmp", f"fa2:{backend}")
     return out
 
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_core import routing
 from kernels.compressed import _load_2d, _store_2d
+from nsa_core import dispatch
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def mix_fwd(g: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         lc = launch_config(BDV)
         BR = lc.pop("BR")
         _mix_fwd_kernel[(triton.cdiv(R, BR),)](g2, oc, os_, ow, o, R, g2.stride(0), dv, DV=dv, BR=BR, BDV=BDV, **lc)
-        routing.note("kernel", "mix_fwd", "triton")
+        dispatch.note("kernel", "mix_fwd", "triton")
     return o.view(parts[0].shape)
 
 
@@ -100,7 +100,7 @@ def mix_bwd(do: torch.Tensor, g: torch.Tensor, parts: tuple[torch.Tensor, ...]):
         BR = lc.pop("BR")
         _mix_bwd_kernel[(triton.cdiv(R, BR),)](g2, oc, os_, ow, do2, dg, *dps, R, g2.stride(0), dv,
                                               DV=dv, BR=BR, BDV=BDV, **lc)
-        routing.note("kernel", "mix_bwd", "triton")
+        dispatch.note("kernel", "mix_bwd", "triton")
     return dg.view(g.shape), tuple(d.view(parts[0].shape) for d in dps)
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core import routing
-from nsa_core.config import NSAConfig
 from kernels import fa2
 from kernels.interpreter import interpreting, probe
+from nsa_core import routing
+from nsa_core.config import NSAConfig
 
 try:
     import triton

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.common import LOG2E, LOG2E_C, pow2, precision
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
-from nsa_core import routing
+from nsa_core import dispatch
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
 
@@ -199,7 +199,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_l
     if T and B and max_seqlen:
         _Launch.apply(q, k_cmp, lse, cu_seqlens, cu_cmp, out, scale, max_seqlen, G, h,
                       cmp_len, cmp_stride, block_size, n_selected)
-        routing.note("kernel", "select", "triton")
+        dispatch.note("kernel", "select", "triton")
     return out
 
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import LOG2E, LOG2E_C, pow2, precision
-from nsa_core import routing
+from nsa_core import dispatch
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
             BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype),
             **launch_config("fwd", BDK, BDV))
-        routing.note("kernel", "sel_fwd", "triton")
+        dispatch.note("kernel", "sel_fwd", "triton")
     return out, lse
 
 
@@ -426,7 +426,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
         BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, BDK=BDK, BDV=BDV, num_warps=4)
-    routing.note("kernel", "sel_bwd", "triton")
+    dispatch.note("kernel", "sel_bwd", "triton")
     return dq, dk, dv
 
 

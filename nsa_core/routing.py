@@ -1,22 +1,15 @@
-"""Backend routing for the three NSA branches, and the dispatch log that proves what ran.
-
-Two separate things live here:
-
-* ``RoutingPolicy`` — what the profile *asks* for (length thresholds per branch).
-* ``DispatchLog`` — what *actually executed*. Every branch implementation calls ``note()`` as
-  it runs, so a suite can assert "the Triton selection kernel ran" from evidence rather than
-  from a flag (a guard that silently falls back to SDPA cannot pass for FA-2).
+"""Backend routing for the three NSA branches: ``RoutingPolicy``, what the profile *asks* for
+(length thresholds per branch), the registry of implementations, and the decision per branch.
+What *actually executed* is the dispatch log (``nsa_core.dispatch``, re-exported here).
 """
 from __future__ import annotations
 
-import functools
-import threading
-from collections import Counter
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 from nsa_core.config import BRANCHES
+from nsa_core.dispatch import RANGE_PREFIX, DispatchLog, capture, note, profiler_range, ranged  # noqa: F401
+
 FA2_BACKENDS = ("auto", "flash_attn", "varlen")   # auto: flash-attn when it loads, else torch's varlen kernel
 DECODE_BACKENDS = ("torch", "triton")
 PREFILL_STAGES = (*BRANCHES, "select", "mix")   # the routed prefill work: the branches, block selection, the gated mix
@@ -114,73 +107,3 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
 def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:
     """The backend each prefill stage (``PREFILL_STAGES``) uses at this length under ``policy``, and why."""
     return {br: decide(policy, "prefill", br, seq_len, **query) for br in PREFILL_STAGES}
-
-
-@dataclass(eq=False)      # identity: nested captures must each remove their own log
-class DispatchLog:
-    """Counts of (phase, branch, backend) executions observed while active."""
-    counts: Counter = field(default_factory=Counter)
-
-    def ran(self, phase: str, branch: str, backend: str) -> int:
-        return self.counts[(phase, branch, backend)]
-
-    def backends(self, phase: str | None = None) -> dict[str, list[str]]:
-        """{branch: sorted backends that ran} (optionally for one phase)."""
-        out: dict[str, set] = {}
-        for (ph, br, be) in self.counts:
-            if phase is None or ph == phase:
-                out.setdefault(br, set()).add(be)
-        return {br: sorted(bes) for br, bes in sorted(out.items())}
-
-    def summary(self) -> list[dict]:
-        return [{"phase": p, "branch": b, "backend": be, "calls": n}
-                for (p, b, be), n in sorted(self.counts.items())]
-
-
-# Process-wide, not per thread: autograd runs a CUDA backward pass on its own device thread, and
-# a kernel's backward must be seen by the capture that wrapped the forward.
-_logs: list[DispatchLog] = []
-_lock = threading.Lock()
-
-
-def note(phase: str, branch: str, backend: str) -> None:
-    """Called by every branch implementation when it actually runs."""
-    with _lock:
-        for log in _logs:
-            log.counts[(phase, branch, backend)] += 1
-
-
-RANGE_PREFIX = "nsa:"
-
-
-def profiler_range(phase: str, branch: str):
-    """A ``torch.profiler`` range named ``nsa:<phase>/<branch>`` around a branch's work, so the GPU
-    kernels it launches can be attributed to it (nearly free when nothing profiles)."""
-    import torch
-    return torch.profiler.record_function(f"{RANGE_PREFIX}{phase}/{branch}")
-
-
-def ranged(phase: str, branch: str):
-    """Decorator: the function runs inside ``profiler_range(phase, branch)``, so a case that
-    observes several launchers in one block can tell their kernels apart. Only for launchers whose
-    kernels come from ATen ops: torch.profiler (2.11, H100) attributed none of the Triton kernels
-    launched inside such a range to it, so the Triton launchers are observed block-wide instead."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            with profiler_range(phase, branch):
-                return fn(*args, **kwargs)
-        return inner
-    return wrap
-
-
-@contextmanager
-def capture() -> Iterator[DispatchLog]:
-    log = DispatchLog()
-    with _lock:
-        _logs.append(log)
-    try:
-        yield log
-    finally:
-        with _lock:
-            _logs.remove(log)
