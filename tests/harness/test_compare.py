@@ -11,7 +11,7 @@ import yaml
 
 from nsa_validate import timing
 from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, verdict, write_json
-from tests.test_cli import cli
+from tests.harness.test_cli import cli
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sm": "sm90"}
 H200 = {"name": "NVIDIA H200", "sm": "sm90"}

@@ -20,6 +20,7 @@ from test_compare import make_run
 
 from nsa_validate import rundir
 from nsa_validate.errors import UsageError
+from nsa_validate.paths import REPO_ROOT
 
 PROFILE_SM90 = REPO / "profiles" / "sm90.yaml"
 ZERO = {"pass": 0, "fail": 0, "skip": 0, "error": 0}
@@ -42,7 +43,7 @@ def tree(p: Path) -> dict:
 
 
 # -- 1. baseline save never writes into runs ---------------------------------------------
-ART = Path(__file__).resolve().parent.parent / "artifacts"    # the default --out of cli(), run from the repo
+ART = REPO_ROOT / "artifacts"    # the default --out of cli(), run from the repo
 @pytest.mark.parametrize("target", ["results", "run", "inside-run", "artifacts", "not-a-baseline", "folder"])
 def test_baseline_out_never_touches_a_run(tmp_path, target):
     run = make_run(tmp_path, "run")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from nsa_validate.paths import REPO_ROOT as REPO
+
 RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "report.md", "summary.txt", "junit.xml",
              "metrics.csv"]
 

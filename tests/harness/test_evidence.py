@@ -2,12 +2,12 @@
 flash-attn) a wrapper that lies about its backend fails the fa2 suite."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from nsa_validate import evidence, plugin
+from nsa_validate.paths import REPO_ROOT as REPO
 
 FA = "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>, " \
      "false, true, false, false, true, true, false, false>(flash::Flash_fwd_params)"
@@ -15,7 +15,6 @@ TORCH_FA = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 12
            "cutlass::bfloat16_t>, false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)"
 MATH = ["void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*, float const*, int)",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"]
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _log(*names, ranges=None):
@@ -72,6 +71,6 @@ def test_a_wrapper_that_lies_about_its_backend_fails_the_fa2_suite():
          "-k", "window_branch and flash_attn", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
     honest = run()
     assert honest.returncode == 0, honest.stdout[-2000:]
-    rigged = run("-p", "tests.rigs.flash_attn_is_varlen")
+    rigged = run("-p", "tests.harness.rigs.flash_attn_is_varlen")
     assert rigged.returncode == 1, rigged.stdout[-2000:]
     assert "the GPU ran no flash_attn kernel" in rigged.stdout and "pytorch_flash" in rigged.stdout

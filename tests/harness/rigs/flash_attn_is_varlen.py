@@ -1,4 +1,4 @@
-"""A planted fault (pytest plugin, ``-p tests.rigs.flash_attn_is_varlen``): the ``flash_attn`` backend
+"""A planted fault (pytest plugin, ``-p tests.harness.rigs.flash_attn_is_varlen``): the ``flash_attn`` backend
 wrapper silently calls PyTorch's varlen kernel while the dispatch log still says ``flash_attn``.
 Both are correct, so parity passes and the dispatch log is fooled; only the kernel names the GPU
 ran can tell, and the fa2 suite must fail on them."""

@@ -7,7 +7,7 @@ import time
 import yaml
 
 from nsa_validate import gpu_share
-from tests.test_cli import _small_profile, cli
+from tests.harness.test_cli import _small_profile, cli
 
 
 def test_shared_holders_overlap_and_an_exclusive_one_waits_for_them(tmp_path):

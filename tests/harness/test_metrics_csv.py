@@ -6,8 +6,8 @@ import pandas as pd
 
 from nsa_validate import metrics_csv
 from nsa_validate.schema import load_results, write_json
-from tests.test_cli import cli
-from tests.test_compare import make_run
+from tests.harness.test_cli import cli
+from tests.harness.test_compare import make_run
 
 
 def test_report_writes_a_long_metrics_csv_that_pandas_reads(tmp_path):
