@@ -233,14 +233,8 @@ def _at_level(data: dict, level: str) -> dict:
     return data
 
 
-def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
-    """A profile by name (``sm90``) or by path to a YAML file, at ``level`` (``LEVELS``)."""
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") or path.exists()):
-        path = PROFILE_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml") if "." not in p.stem))
-        raise UsageError(f"profile '{name_or_path}' not found (known: {known})")
+def _read(path: Path) -> dict:
+    """One profile file's mapping, malformed input as one line."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -251,6 +245,38 @@ def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
         raise UsageError(f"profile {path.name}: malformed YAML{where}") from None
     if not isinstance(data, dict):
         raise UsageError(f"profile {path.name}: expected a mapping at top level")
+    return data
+
+
+def _resolved(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A profile file's mapping with what it ``extends`` underneath (mappings merged key by key,
+    lists and values replaced). ``extends`` names a file without .yaml, e.g. ``base/gpu``: beside
+    the profile, else among the shipped profiles (so a copy of a shipped profile still loads)."""
+    data = _read(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise UsageError(f"profile {path.name}: field 'extends' must be a profile file's name, got {parent!r}")
+    ppath = (path.parent / f"{parent}.yaml").resolve()
+    if not ppath.is_file():
+        ppath = (PROFILE_DIR / f"{parent}.yaml").resolve()
+    if ppath in seen or ppath == path.resolve():
+        raise UsageError(f"profile {path.name}: 'extends: {parent}' makes a cycle")
+    if not ppath.is_file():
+        raise UsageError(f"profile {path.name}: 'extends: {parent}' names no file (beside it or in {PROFILE_DIR})")
+    return _merge(_resolved(ppath, (*seen, path.resolve())), data)
+
+
+def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
+    """A profile by name (``sm90``) or by path to a YAML file, at ``level`` (``LEVELS``)."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml") if "." not in p.stem))
+        raise UsageError(f"profile '{name_or_path}' not found (known: {known})")
+    data = _resolved(path)
     if "level" in data:
         raise UsageError(f"profile {path.name}: 'level' is chosen when the profile is loaded (--level), not in the file")
     try:

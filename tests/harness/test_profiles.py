@@ -68,7 +68,8 @@ def test_expectations_per_device_name():
     p = profiles.load("sm90")
     h200, key = p.expectations("NVIDIA H200")
     assert key == "H200" and h200.peak_bandwidth_gbs == 4800
-    assert h200.decode_roofline_min == p.expect.decode_roofline_min      # not overridden: the family's
+    assert h200.decode_roofline_min == 0.4                               # its own bar (measured on an H200)
+    assert h200.decode_speedup_min == p.expect.decode_speedup_min        # not overridden: the family's
     h100, key = p.expectations("NVIDIA H100 80GB HBM3")
     assert key is None and h100 is p.expect and h100.peak_bandwidth_gbs == 3350
     assert p.expectations(None) == (p.expect, None)
@@ -95,3 +96,25 @@ def test_bad_device_expectations_name_the_field(tmp_path, text, needle):
     with pytest.raises(UsageError) as e:
         profiles.load(str(f))
     assert needle in str(e.value)
+
+
+def test_extends_puts_the_base_underneath_and_refuses_cycles(tmp_path):
+    """`extends:` merges the named file underneath (mappings key by key, lists replaced); a copy of a
+    shipped profile finds base/gpu among the shipped ones; a cycle is one clear error."""
+    from nsa_validate import profiles
+    from nsa_validate.errors import UsageError
+    shipped = profiles.load("sm86", "full")
+    assert shipped.suites.triton.long_seq_lens == [32768] and shipped.suites.triton.dtypes == ["bf16", "fp16"]
+    assert profiles.load("sm86", "quick").suites.decode.dram_counters is False      # from base/gpu's quick
+    copy = tmp_path / "mine.yaml"
+    copy.write_text((profiles.PROFILE_DIR / "sm90.yaml").read_text().replace("name: sm90", "name: mine"))
+    mine = profiles.load(str(copy), "standard")
+    want = profiles.load("sm90", "standard")
+    assert mine.suites == want.suites and mine.routing == want.routing and mine.name == "mine"
+    (tmp_path / "a.yaml").write_text("name: a\nextends: b\n")
+    (tmp_path / "b.yaml").write_text("name: b\nextends: a\n")
+    with pytest.raises(UsageError, match="cycle"):
+        profiles.load(str(tmp_path / "a.yaml"))
+    (tmp_path / "c.yaml").write_text("name: c\nextends: nowhere\n")
+    with pytest.raises(UsageError, match="names no file"):
+        profiles.load(str(tmp_path / "c.yaml"))
