@@ -21,10 +21,16 @@ def title(what: str, meta: dict) -> str:
     return f"{what}\n{where}" if where else what
 
 
+def length_label(S) -> str:
+    """A length as axes show it: 4096 -> '4k', 1000 -> '1000'."""
+    S = int(S)
+    return f"{S // 1024}k" if S >= 1024 and S % 1024 == 0 else str(S)
+
+
 def length_ticks(ax, S) -> None:
     """Ticks at the measured lengths (a log axis otherwise shows only powers of ten)."""
     ticks = sorted({int(x) for x in S})
-    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks])
+    ax.set_xticks(ticks, [length_label(t) for t in ticks])
     ax.minorticks_off()
 
 
@@ -35,9 +41,8 @@ PALETTE = ("blue", "#1f77b4"), ("orange", "#ff7f0e"), ("green", "#2ca02c"), ("re
 def chart(title: str, x_label: str, S, y_label: str, series: dict) -> dict:
     """A plot's data as text for ``report --embed-plots`` (``mermaid``): x at the measured lengths,
     one list of y values per named series (None where not measured)."""
-    ticks = [f"{int(s) // 1024}k" if int(s) >= 1024 and int(s) % 1024 == 0 else str(int(s)) for s in S]
     clean = {k: [None if v is None or v != v else float(v) for v in vals] for k, vals in series.items()}
-    return {"title": title, "x_label": x_label, "x": ticks, "y_label": y_label, "series": clean}
+    return {"title": title, "x_label": x_label, "x": [length_label(s) for s in S], "y_label": y_label, "series": clean}
 
 
 def mermaid(c: dict) -> str:

@@ -136,6 +136,7 @@ def _plot(rows: list[Row], extra, meta: dict) -> None:
     if not ones:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    drawn = {}                                  # (d_k, d_v) -> (S, {series: ms}), for report --embed-plots
     for dk, dv in sorted({(r.shape.d_k, r.shape.d_v) for r in ones}):
         rs = sorted((r for r in ones if (r.shape.d_k, r.shape.d_v) == (dk, dv)), key=lambda r: r.shape.S)
         S = [r.shape.S for r in rs]
@@ -148,6 +149,7 @@ def _plot(rows: list[Row], extra, meta: dict) -> None:
             ax.fill_between(S, [math.nan if a is None else a for a, _ in band], [math.nan if b is None else b for _, b in band],
                             color=line.get_color(), alpha=0.2, lw=0)
             ax.plot(S, [math.nan if v is None else v for v in dense], "s" + style, alpha=0.7, label=f"dense {tag} {dk}/{dv}")
+            drawn.setdefault((dk, dv), (S, {}))[1].update({f"NSA {tag}": nsa, f"dense {tag}": dense})
     ax.set(xscale="log", yscale="log", xlabel="sequence length S (B=1)", ylabel="ms (median; band: p20-p80)",
            title=figures.title("whole layer: NSA vs dense", meta))
     figures.length_ticks(ax, [r.shape.S for r in ones])
@@ -155,11 +157,6 @@ def _plot(rows: list[Row], extra, meta: dict) -> None:
     fig.tight_layout()
     fig.savefig(extra.dir / "layer_time.png", dpi=110)
     plt.close(fig)
-    dk, dv = min({(r.shape.d_k, r.shape.d_v) for r in ones})
-    rs = sorted((r for r in ones if (r.shape.d_k, r.shape.d_v) == (dk, dv)), key=lambda r: r.shape.S)
-    series = {}
-    for phase, tag in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
-        series[f"NSA {tag}"] = [getattr(r, f"nsa_{phase}").ms for r in rs]
-        series[f"dense {tag}"] = [(r.best_dense(phase) or (None, Measured()))[1].ms for r in rs]
+    (dk, dv), (S, series) = next(iter(drawn.items()))         # the smallest head dims
     extra.plot(f"suites/{extra.dir.name}/layer_time.png", figures.chart(
-        f"whole layer, B=1, d {dk}/{dv}", "S", [r.shape.S for r in rs], "ms (median)", series))
+        f"whole layer, B=1, d {dk}/{dv}", "S", S, "ms (median)", series))

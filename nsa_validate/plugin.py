@@ -197,12 +197,7 @@ def _gpu_lock(item) -> str | None:
     path = context.current().gpu_lock
     skipped = item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder") or any(
         m.args and m.args[0] is True for m in item.iter_markers("skipif"))
-    if not path or skipped:
-        return None
-    from nsa_validate import gpu_share
-    while _STARTUP:
-        gpu_share.release(_STARTUP.pop())
-    return path
+    return None if skipped else path
 
 
 def _exclusive(item) -> bool:
@@ -210,23 +205,25 @@ def _exclusive(item) -> bool:
 
 
 @contextmanager
-def _hold(item, exclusive: bool, phase: str = ""):
+def _hold(item, exclusive: bool, phase: str = "", release_memory: bool = False):
+    """The case's GPU lock for the block (nothing when ``_gpu_lock`` says none); the suite's
+    start-up hold ends at its first hold. ``release_memory``: the memory the case cached goes back
+    to the GPU before the lock does: other suites' cases need it, and a timed case squeezed for
+    memory measures the allocator's retries (a 64k layer forward: 1.2x dense instead of 2.3x while
+    five other suite processes kept 65 GiB cached)."""
     path = _gpu_lock(item)
     if not path:
         yield
         return
     from nsa_validate import gpu_share
+    while _STARTUP:
+        gpu_share.release(_STARTUP.pop())
     with gpu_share.hold(path, exclusive=exclusive, what=item.nodeid + (f" ({phase})" if phase else "")):
         yield
-
-
-def _release_cached_memory() -> None:
-    # hand the memory a case cached back to the GPU: other suites' cases need it, and a timed case
-    # squeezed for memory measures the allocator's retries (a 64k layer forward: 1.2x dense instead
-    # of 2.3x while five other suite processes kept 65 GiB cached)
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        if release_memory:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -235,10 +232,8 @@ def pytest_runtest_protocol(item, nextitem):
     if _exclusive(item):
         yield
         return
-    with _hold(item, exclusive=False):
+    with _hold(item, exclusive=False, release_memory=True):
         yield
-        if _gpu_lock(item):
-            _release_cached_memory()
 
 
 # An ``nsa_exclusive`` case holds the lock per phase: its fixtures (inputs, and the compile warm-ups a
@@ -260,10 +255,8 @@ def pytest_runtest_teardown(item, nextitem):
     if not _exclusive(item):
         yield
         return
-    with _hold(item, exclusive=False, phase="teardown"):
+    with _hold(item, exclusive=False, phase="teardown", release_memory=True):
         yield
-        if _gpu_lock(item):
-            _release_cached_memory()
 
 
 @pytest.fixture(scope="session")

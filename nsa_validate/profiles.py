@@ -258,14 +258,15 @@ def _resolved(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         return data
     if not isinstance(parent, str):
         raise UsageError(f"profile {path.name}: field 'extends' must be a profile file's name, got {parent!r}")
+    chain = (*seen, path.resolve())
     ppath = (path.parent / f"{parent}.yaml").resolve()
     if not ppath.is_file():
         ppath = (PROFILE_DIR / f"{parent}.yaml").resolve()
-    if ppath in seen or ppath == path.resolve():
+    if ppath in chain:
         raise UsageError(f"profile {path.name}: 'extends: {parent}' makes a cycle")
     if not ppath.is_file():
         raise UsageError(f"profile {path.name}: 'extends: {parent}' names no file (beside it or in {PROFILE_DIR})")
-    return _merge(_resolved(ppath, (*seen, path.resolve())), data)
+    return _merge(_resolved(ppath, chain), data)
 
 
 def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:

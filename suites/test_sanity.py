@@ -8,8 +8,6 @@ different block, so attention is compared given the module's own block indices, 
 selection itself is checked on its own (``selection_agrees_with_oracle``). Every case proves
 from the dispatch log which backend ran.
 """
-from contextlib import nullcontext
-
 import pytest
 import torch
 
@@ -102,18 +100,14 @@ def test_decode_matches_oracle_rows(dt, record):
     m, x, dtype = _layer(dt, seed=2)
     P, S = CFG.decode_from, x.shape[1]
     cache = DecodeCache(m.cfg, x.shape[0], S, device=DEV, dtype=dtype)
-    steps, idx, log = [], [], None
-    # the dispatch log covers every step; the GPU's kernels are observed on the first one only (the
-    # profiler's cost grows with every op it records: ~10 s for 100 steps on an H100)
+    # the dispatch log covers every step; the GPU's kernels are observed on the prefill and the first
+    # step only (the profiler's cost grows with every op it records: ~10 s for 100 steps on an H100)
     with routing.capture() as every:
-        for t in range(P, S):
-            with record.capture() if t == P else nullcontext() as first:
-                if t == P:
-                    m(x[:, :P], cache=cache)
-                out, info = m.decode(x[:, t:t + 1], cache)
-            log = first or log
-            steps.append(out)
-            idx.append(info.idx)
+        with record.capture() as log:
+            m(x[:, :P], cache=cache)
+            first = m.decode(x[:, P:P + 1], cache)
+        rows = [first, *(m.decode(x[:, t:t + 1], cache) for t in range(P + 1, S))]
+    steps, idx = [out for out, _ in rows], [info.idx for _, info in rows]
     backend = m.policy.decode_backend
     for br in BRANCHES:
         record.expect_ran(log, "decode", br, backend)
