@@ -17,8 +17,10 @@ from typing import Iterator
 
 @dataclass(eq=False)      # identity: nested captures must each remove their own log
 class DispatchLog:
-    """Counts of (phase, branch, backend) executions observed while active."""
+    """Counts of (phase, branch, backend) executions observed while active, and the routing
+    decisions made meanwhile ((phase, branch) -> {"backend: why (query)"})."""
     counts: Counter = field(default_factory=Counter)
+    decisions: dict = field(default_factory=dict)
 
     def ran(self, phase: str, branch: str, backend: str) -> int:
         return self.counts[(phase, branch, backend)]
@@ -47,6 +49,13 @@ def note(phase: str, branch: str, backend: str) -> None:
     with _lock:
         for log in _logs:
             log.counts[(phase, branch, backend)] += 1
+
+
+def decided(phase: str, branch: str, backend: str, reason: str, query: str) -> None:
+    """Called by the routing policy for each decision, so a run records what it was asked and chose."""
+    with _lock:
+        for log in _logs:
+            log.decisions.setdefault((phase, branch), set()).add(f"{backend}: {reason} ({query})")
 
 
 RANGE_PREFIX = "nsa:"

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from nsa_core.config import BRANCHES
-from nsa_core.dispatch import RANGE_PREFIX, DispatchLog, capture, note, profiler_range, ranged  # noqa: F401
+from nsa_core.dispatch import RANGE_PREFIX, DispatchLog, capture, decided, note, profiler_range, ranged  # noqa: F401
 
 FA2_BACKENDS = ("auto", "flash_attn", "varlen")   # auto: flash-attn when it loads, else torch's varlen kernel
 DECODE_BACKENDS = ("torch", "triton")
@@ -80,7 +80,16 @@ class Decision:
 
 def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
     """The backend the policy picks for one branch at this length, and why: the first backend
-    whose threshold is met and that can run here (Triton before FA-2), else torch."""
+    whose threshold is met and that can run here (Triton before FA-2), else torch. Noted in the
+    dispatch log (``dispatch.decided``)."""
+    d = _decide(policy, phase, branch, seq_len, **query)
+    asked = ", ".join(f"{k}={v}" for k, v in (("S", seq_len), ("dtype", query.get("dtype")),
+                                                ("device", query.get("device"))) if v is not None)
+    decided(phase, branch, d.backend, d.reason, asked.replace("torch.", ""))
+    return d
+
+
+def _decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
     candidates, notes = [], []
     if phase == "prefill" and branch in ("sel", "cmp", "select", "mix"):
         thr = getattr(policy, f"{branch}_triton_min_len")

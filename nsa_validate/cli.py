@@ -10,10 +10,7 @@ import contextlib
 import enum
 import errno
 import json
-import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -26,14 +23,10 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import (__version__, compare, envcheck, fleet, gpu_share, junit, metrics_csv, profiles, report, rundir,
-                          safefs, thresholds)
-from nsa_validate.context import RunContext
+from nsa_validate import __version__, compare, envcheck, fleet, profiles, rundir, run, safefs, thresholds
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from nsa_validate.runner import SuiteInterrupted, run_suite
-from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, run_level, verdict,
-                                 write_json)
-from suites import SUITES
+from nsa_validate.schema import run_level, write_json
+from nsa_validate.registry import SUITES
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -162,9 +155,10 @@ def suite_cmd(names: List[SuiteName] = typer.Argument(..., help="suite names (se
               share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
               timeout: Optional[int] = TimeoutOpt) -> None:
     """Run the named suites."""
-    raise typer.Exit(_run(list(dict.fromkeys(n.value for n in names)), profile, out, strict, json_out, gate_env=False,
-                          allowed=_allow_list(allow_skips, strict), level=level.value, share_gpu=share_gpu,
-                          select=select, timeout=timeout))
+    req = run.RunRequest(list(dict.fromkeys(n.value for n in names)), profile, level.value, out, strict,
+                         allowed_skips=_allow_list(allow_skips, strict), share_gpu=share_gpu, select=select,
+                         timeout=timeout)
+    raise typer.Exit(_run(req, json_out))
 
 
 @app.command("oneshot")
@@ -180,10 +174,10 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
     """Environment check, then every suite: one verdict and one run folder."""
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
-    raise typer.Exit(_run(list(SUITES), profile, out, strict, json_out, gate_env=not keep_going,
-                          allowed=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
-                          n_gpus=_gpu_count(gpus), level=level.value, share_gpu=share_gpu, select=select,
-                          timeout=timeout))
+    req = run.RunRequest(list(SUITES), profile, level.value, out, strict, gate_env=not keep_going,
+                         allowed_skips=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
+                         n_gpus=_gpu_count(gpus), share_gpu=share_gpu, select=select, timeout=timeout)
+    raise typer.Exit(_run(req, json_out))
 
 
 def _allow_list(path: Path | None, strict: bool) -> dict[str, str]:
@@ -235,7 +229,7 @@ def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                 json_out: bool = JsonOpt) -> None:
     """Compare a run with a baseline: exit 1 on a regression (correctness or timing beyond noise)."""
     compare.check_max_regression(max_regression)
-    res = _load_run(run_dir)
+    res = run.load_run(run_dir)
     cmp = compare.compare(compare.from_results(res, str(run_dir)), compare.load(baseline), max_regression)
     _show_comparison(cmp)
     if json_out:
@@ -273,7 +267,7 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
     import re
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UsageError(f"--name '{name}': use letters, digits, '.', '_' and '-' only")
-    res = _load_run(run_dir)
+    res = run.load_run(run_dir)
     if out is not None and not str(out).strip():
         raise UsageError("--out is empty; give the baseline file to write")
     path = rundir.expand(out) if out is not None else Path.cwd() / "baselines" / f"{name}.json"
@@ -290,7 +284,7 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
 def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from any machines"),
               out: Optional[str] = OutOpt, json_out: bool = JsonOpt) -> None:
     """One fleet report (GPU x suite verdicts and key figures) from many run folders."""
-    runs = [(d, _load_run(d)) for d in run_dirs]
+    runs = [(d, run.load_run(d)) for d in run_dirs]
     folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
     data = fleet.summarise(runs)
     write_json(folder / "fleet.json", data)
@@ -298,21 +292,6 @@ def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from
     err.print(f"fleet report of {len(runs)} runs: {folder / 'fleet.md'}")
     if json_out:
         print(json.dumps({"report": str(folder / "fleet.md"), "runs": len(runs)}))
-
-
-def _load_run(run_dir: Path) -> dict:
-    """results.json of a run folder, or a UsageError saying what is wrong with it."""
-    res_path = run_dir / "results.json"
-    if not res_path.is_file():
-        m = _manifest(run_dir, required=False)
-        if m is not None and m.get("status") == "running":
-            raise UsageError(f"'{run_dir}' is marked running (pid {m.get('pid')} on {m.get('host')}) and has no results "
-                             f"yet; if that process is gone: nsa-validate repair {run_dir}")
-        raise UsageError(f"no results.json in '{run_dir}' (not a run folder, or the run never started)")
-    try:
-        return load_results(res_path)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"{res_path}: unreadable results ({e})") from None
 
 
 profile_app = typer.Typer(no_args_is_help=True, context_settings=HELP_FLAGS, help="Profile tools.")
@@ -325,7 +304,7 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
                         json_out: bool = JsonOpt) -> None:
     """Write the routing thresholds a run measured (FA-2 from the fa2 suite, the Triton compressed /
     selection kernels from the triton suite) into a suggested profile next to the shipped one."""
-    res = _load_run(run_dir)
+    res = run.load_run(run_dir)
     suggest = {}
     for name in ("fa2", "triton"):
         suggest.update(((res["suites"].get(name) or {}).get("extra") or {}).get("suggest") or {})
@@ -372,12 +351,12 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
                                                 "embedded images)")) -> None:
     """Re-render report.md, summary.txt and metrics.csv of a run folder from its results.json (a folder left running by a
     process that vanished is repaired first: see ``repair``)."""
-    manifest = _manifest(run_dir, required=False)
-    if manifest is not None and manifest.get("status") == "running" and _stale(manifest):
-        err.print(f"run was left running ({_stale(manifest)}): marking it interrupted (process vanished)")
-        _repair(run_dir, manifest)
-    res = _load_run(run_dir)
-    _write_views(run_dir, res, embed_plots)
+    manifest = run.read_manifest(run_dir, required=False)
+    if manifest is not None and manifest.get("status") == "running" and run.stale(manifest):
+        err.print(f"run was left running ({run.stale(manifest)}): marking it interrupted (process vanished)")
+        run.repair(run_dir, manifest)
+    res = run.load_run(run_dir)
+    run.write_views(run_dir, res, embed_plots)
     err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'summary.txt'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
@@ -390,309 +369,105 @@ def repair_cmd(run_dir: Path = typer.Argument(..., help="a run folder marked run
                json_out: bool = JsonOpt) -> None:
     """Mark a run folder left 'running' by a process that vanished (killed, machine lost) as
     interrupted, keeping every case its suites finished."""
-    manifest = _manifest(run_dir)
+    manifest = run.read_manifest(run_dir)
     if manifest.get("status") != "running":
         raise UsageError(f"'{run_dir}' is not marked running (status: {manifest.get('status')}); nothing to repair")
-    why = _stale(manifest)
+    why = run.stale(manifest)
     if why is None and not force:
         raise UsageError(f"'{run_dir}' may still be running (pid {manifest.get('pid')} on {manifest.get('host')}); "
                          f"pass --force if it is not")
-    res = _repair(run_dir, manifest)
+    res = run.repair(run_dir, manifest)
     _show_verdict(res, run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(run_dir), "status": res["manifest"]["status"], "verdict": res["verdict"]}))
 
 
-def _manifest(run_dir: Path, required: bool = True) -> dict | None:
-    path = run_dir / "manifest.json"
-    if not path.is_file():
-        if required:
-            raise UsageError(f"no manifest.json in '{run_dir}' (not a run folder)")
-        return None
-    try:
-        data = read_json(path)
-    except ValueError as e:
-        raise UsageError(f"{path}: unreadable ({e})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: not a manifest (expected a JSON object)")
-    return data
+class _Console(run.Listener):
+    """Progress on stderr: on a terminal, a bar per suite with the case running now and an ETA
+    from the profile's ``expected_s``; else (a CI log) one plain line per event."""
 
+    def __init__(self, expected_s: dict[str, float]) -> None:
+        self.expected_s = expected_s
+        self.live = err.is_terminal
+        self.t0 = time.monotonic()
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[running]}"),
+                            console=err, transient=False, disable=not self.live)
+        self.tasks: dict[str, object] = {}
+        self.shown: dict[str, int] = {}
 
-def _stale(manifest: dict) -> str | None:
-    """Why a folder marked running has no process behind it any more (None: it may still run, or
-    this machine cannot tell: another host, another PID namespace, no process recorded)."""
-    import socket
-    pid, host = manifest.get("pid"), manifest.get("host")
-    if not isinstance(pid, int) or (host and host != socket.gethostname()):
-        return None
-    want = manifest.get("process") or {}
-    if want.get("pid_ns") and want["pid_ns"] != (rundir.process_identity(os.getpid()) or {}).get("pid_ns"):
-        return None                   # recorded in another container: its pids mean nothing here
-    ident = rundir.process_identity(pid)
-    if ident is None:
-        return f"process {pid} is gone"
-    if want.get("start") is not None and ident.get("start") is not None and ident["start"] != want["start"]:
-        return f"process {pid} is gone (the pid now belongs to another process)"
-    return None
+    def line(self, text: str) -> None:
+        err.print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", highlight=False, markup=False)
 
-
-class _EnvRecord:
-    """An env report read back from env.json (what ``_finish`` needs of ``envcheck.EnvReport``)."""
-
-    def __init__(self, data: dict) -> None:
-        self.data = data
-
-    def to_dict(self) -> dict:
-        return self.data
-
-
-def _repair(run_dir: Path, manifest: dict) -> dict:
-    """Results of a run whose process vanished, from the records its suites left. A run that died
-    between writing results.json and manifest.json (the last write) is finished: its manifest is
-    restored from its results, which are left as they are."""
-    from nsa_validate.runner import read_records
-    from nsa_validate.schema import suite_status
-    try:
-        done = load_results(run_dir / "results.json")
-    except (OSError, ValueError):
-        done = None
-    if done is not None and done["manifest"].get("status") not in (None, "running"):
-        write_json(run_dir / "manifest.json", done["manifest"])
-        return done
-    status = "interrupted (process vanished)"
-    try:
-        env = read_json(run_dir / "env.json")
-    except (OSError, ValueError):
-        env = {"verdict": "unknown", "findings": [], "facts": {}}
-    try:
-        prof = profiles.load(manifest.get("profile_source") or manifest.get("profile") or "")
-    except UsageError:
-        prof = profiles.Profile(name=str(manifest.get("profile")))
-    results = {}
-    for name in manifest.get("suites") or []:
-        rec = run_dir / "suites" / f"{name}.records.jsonl"
-        if not rec.exists():
-            results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
-                                        cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
-            continue
-        total, cases, _ = read_records(rec)
-        problem = "" if total is not None and len(cases) >= total else f"process vanished; see logs/{name}.log"
-        if problem:
-            cases.append(CaseRecord("suite-process", name, "error", problem))
-        extra_path = run_dir / "suites" / name / "extra.json"
-        try:
-            extra = read_json(extra_path) if extra_path.exists() else {}
-        except (OSError, ValueError):
-            extra = {}
-        results[name] = SuiteResult(name, suite_status(cases, problem), 0.0, cases, reason=problem,
-                                    log=f"logs/{name}.log", extra=extra)
-    return _finish(run_dir, manifest, _EnvRecord(env), prof, results, bool(manifest.get("strict")), status,
-                   manifest.get("allowed_skips") or {})
-
-
-STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
-class _Stop:
-    """The run's stop flag, set by SIGINT / SIGTERM / SIGHUP. Installed before the run folder
-    exists; a signal never raises inside the run (so no finished case is ever dropped): the suite
-    in flight sees the flag within a poll, kills its process and keeps what it finished, and the
-    run writes its folder marked interrupted. A second signal only hurries the first."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signals: list[str] = []
-        self._old: dict = {}
-
-    def __enter__(self) -> "_Stop":
-        for s in STOP_SIGNALS:
-            if signal.getsignal(s) is signal.SIG_IGN:       # e.g. SIGHUP under nohup: stays ignored
-                continue
-            self._old[s] = signal.signal(s, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signals.append(signal.Signals(signum).name)
-        self.event.set()
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-
-def _run(names: list[str], profile: str | None, out: str | None, strict: bool, json_out: bool, gate_env: bool,
-         allowed: dict[str, str] | None = None, baseline: dict | None = None,
-         max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT, n_gpus: int = 1,
-         level: str = profiles.DEFAULT_LEVEL, share_gpu: bool | None = None, select: str | None = None,
-         timeout: int | None = None) -> int:
-    with _Stop() as stop:
-        return _run_stoppable(stop, names, profile, out, strict, json_out, gate_env, allowed, baseline,
-                              max_regression, n_gpus, level, share_gpu, select, timeout)
-
-
-def _run_stoppable(stop: _Stop, names: list[str], profile: str | None, out: str | None, strict: bool,
-                   json_out: bool, gate_env: bool, allowed: dict[str, str] | None, baseline: dict | None,
-                   max_regression: float, n_gpus: int, level: str, share_gpu: bool | None,
-                   select: str | None, timeout: int | None) -> int:
-    import socket
-
-    import torch
-
-    t_start = time.monotonic()
-    prof = profiles.load(profile, level) if profile else profiles.auto_profile(level)
-    root = rundir.check_out(out)
-    gpu = torch.cuda.is_available()
-    device = "cuda" if prof.device == "cuda" and gpu else "cpu"
-    rep = envcheck.collect()
-    t_env = time.monotonic()
-    if baseline is not None:       # a baseline from another machine is refused before anything runs
-        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, select), baseline)
-    git = rundir.git_info()
-    run_dir = rundir.create(root, git)
-    shards = _shard(names, prof, n_gpus)
-    # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
-    # on a CPU they would only compete for its cores
-    share_gpu = (device == "cuda" and len(names) > 1) if share_gpu is None else share_gpu
-    manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
-                "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
-                "level": prof.level, "tool_version": __version__,
-                "device": device, "strict": strict, "suites": names, "started": rundir.utc_now(),
-                "ended": None, "status": "running", "allowed_skips": allowed or {},
-                # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
-                "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
-                "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if n_gpus > 1 else None,
-                "share_gpu": share_gpu, "select": select, "timeout_s": timeout}
-    if prof.device == "cuda" and not gpu:
-        manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
-    results: dict[str, SuiteResult] = {}
-    status = "complete"
-    threads: list[threading.Thread] = []
-    try:
-        write_json(run_dir / "manifest.json", manifest)
+    def run_started(self, run_dir: Path) -> None:
         err.print(f"run folder: {run_dir}")
-        write_json(run_dir / "env.json", rep.to_dict())
-        show_env(rep)
-        if gate_env and rep.verdict == "broken":
-            status = "env-broken"
-            err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
-        elif not stop.is_set():
-            # on a terminal: a bar per suite with the case running now and an ETA from the profile's
-            # expected_s (what the suite took on the family's reference GPU at this level)
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[running]}"),
-                          console=err, transient=False, disable=not err.is_terminal) as bar:
-                t_run = time.monotonic()
-                live = err.is_terminal          # else (a CI log): one plain line per event
 
-                def line(text: str) -> None:
-                    err.print(f"[{time.monotonic() - t_run:7.1f}s] {text}", highlight=False, markup=False)
+    def env_checked(self, report) -> None:
+        show_env(report)
 
-                def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
-                    for name in queue:
-                        if stop.is_set():
-                            return
-                        where = f" gpu{gpu_index}" if gpu_index is not None else ""
-                        shown = [0]
-                        t_suite = time.monotonic()
-                        if live:
-                            task = bar.add_task(f"{name:9s}{where}", total=None, eta="", running="")
-                        else:
-                            line(f"{name}{where}: started")
+    def env_broken(self) -> None:
+        err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
 
-                        def progress(done: list[CaseRecord], total: int | None, running: str | None = None) -> None:
-                            if live:
-                                bar.update(task, completed=len(done), total=total, running=running or "",
-                                           eta=_eta(prof.suites.expected_s.get(name), time.monotonic() - t_suite))
-                                return
-                            for c in done[shown[0]:]:
-                                why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
-                                line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
-                                     f" [{len(done)}/{total if total is not None else '?'}]{why}")
-                            shown[0] = len(done)
-                        # sharing a GPU, a suite may wait for every other suite's timed cases: its
-                        # limit is then the whole GPU queue's (the time they would take one by one)
-                        limit = timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
-                        ctx = RunContext(profile=prof, device=device, strict=strict, gpu_index=gpu_index, gpu_lock=lock,
-                                         select=select, timeout_s=limit, run_id=manifest["run_id"],
-                                         commit=rundir.commit_label(git))
-                        results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
-                        s = results[name]
-                        if live:
-                            bar.update(task, description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
-                                       total=len(s.cases), eta="", running="")
-                        else:
-                            progress(s.cases, len(s.cases))
-                            c = s.counts
-                            line(f"{name}{where}: {s.status} in {s.duration_s:.1f} s ({c['pass']} passed, {c['fail']} "
-                                 f"failed, {c['error']} errors, {c['skip']} skipped)")
-                if share_gpu:      # every suite at once; each case holds its GPU's lock (gpu_share)
-                    jobs = [([n], None if n_gpus == 1 else i, gpu_share.lock_path(run_dir, i))
-                            for i, q in enumerate(shards) for n in q]
-                elif n_gpus == 1:
-                    jobs = [(shards[0], None, None)]
-                else:              # one thread per GPU, each running its suites one after another
-                    jobs = [(q, i, None) for i, q in enumerate(shards)]
-                if len(jobs) == 1:
-                    work(*jobs[0])
-                else:
-                    # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
-                    starting = {lock: gpu_share.acquire(lock, exclusive=False)
-                                for lock in dict.fromkeys(j[2] for j in jobs if j[2])}
-                    threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
-                    for th in threads:
-                        th.start()
-                    t0 = time.monotonic()
-                    while any(th.is_alive() for th in threads):
-                        for lock in list(starting):
-                            mine = [th for th, j in zip(threads, jobs) if j[2] == lock]
-                            ended = sum(not th.is_alive() for th in mine)
-                            if gpu_share.started(lock) + ended >= len(mine) or time.monotonic() - t0 > 300:
-                                gpu_share.release(starting.pop(lock))
-                        time.sleep(0.2)
-                    for fd in starting.values():
-                        gpu_share.release(fd)
-    except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
-        if isinstance(e, SuiteInterrupted):
-            results[e.result.name] = e.result
-        stop.event.set()
-    except OSError as e:
-        _mark_failed(run_dir, manifest, e)
-        raise
-    if stop.is_set():
-        status = "interrupted"
-        for th in threads:             # each shard kills its suite process and returns
-            th.join(timeout=60)
-        err.print(f"[yellow]interrupted[/] ({', '.join(dict.fromkeys(stop.signals)) or 'KeyboardInterrupt'}): "
-                  f"writing what was finished")
-    # where the wall time went (after the imports): the environment check, the suites, the rest
-    manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
-    if share_gpu:                  # who held each GPU when: kept under logs/, and checked
-        bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
-        if bad:
-            err.print(f"[red]a timed case shared the GPU[/]: {escape(bad[0])} (+{len(bad) - 1} more; logs/gpu*_share.jsonl)")
-    for name in names:
-        if name not in results and status != "env-broken":
-            results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
-                                        cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
-    results = {n: results[n] for n in names if n in results}
-    try:
-        res = _finish(run_dir, manifest, rep, prof, results, strict, status, allowed, baseline, max_regression)
-    except OSError as e:
-        _mark_failed(run_dir, manifest, e)
-        raise
-    _show_verdict(res, run_dir)
+    def suites_running(self):
+        self.t0 = time.monotonic()
+        return self.bar
+
+    def suite_started(self, name: str, where: str) -> None:
+        self.shown[name] = 0
+        if self.live:
+            self.tasks[name] = self.bar.add_task(f"{name:9s}{where}", total=None, eta="", running="")
+        else:
+            self.line(f"{name}{where}: started")
+
+    def suite_progress(self, name, done, total, running, elapsed_s) -> None:
+        if self.live:
+            self.bar.update(self.tasks[name], completed=len(done), total=total, running=running or "",
+                            eta=_eta(self.expected_s.get(name), elapsed_s))
+            return
+        for c in done[self.shown[name]:]:
+            why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
+            self.line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
+                      f" [{len(done)}/{total if total is not None else '?'}]{why}")
+        self.shown[name] = len(done)
+
+    def suite_finished(self, name, where, s) -> None:
+        if self.live:
+            self.bar.update(self.tasks[name], description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
+                            total=len(s.cases), eta="", running="")
+            return
+        self.suite_progress(name, s.cases, len(s.cases), None, 0.0)
+        c = s.counts
+        self.line(f"{name}{where}: {s.status} in {s.duration_s:.1f} s ({c['pass']} passed, {c['fail']} "
+                  f"failed, {c['error']} errors, {c['skip']} skipped)")
+
+    def interrupted(self, signals: list[str]) -> None:
+        err.print(f"[yellow]interrupted[/] ({', '.join(signals) or 'KeyboardInterrupt'}): writing what was finished")
+
+    def shared_gpu_overlaps(self, overlaps: list[str]) -> None:
+        err.print(f"[red]a timed case shared the GPU[/]: {escape(overlaps[0])} (+{len(overlaps) - 1} more; "
+                  f"logs/gpu*_share.jsonl)")
+
+
+def _run(req: run.RunRequest, json_out: bool) -> int:
+    """Run the request, show progress and the verdict; the exit code."""
+    expected = {}
+    with contextlib.suppress(UsageError):       # the ETAs only: execute() reports a bad profile itself
+        expected = profiles.resolve(req.profile, req.level)[0].suites.expected_s
+    out = run.execute(req, _Console(expected))
+    res = out.results
+    if res.get("comparison"):
+        _show_comparison(res["comparison"])
+    _show_verdict(res, out.run_dir)
     if json_out:
-        print(json.dumps({"run_dir": str(run_dir), "status": status, "level": prof.level, "verdict": res["verdict"],
+        print(json.dumps({"run_dir": str(out.run_dir), "status": out.status, "level": res["manifest"]["level"],
+                          "verdict": res["verdict"],
                           "suites": {n: {"status": s["status"], "counts": s["counts"]} for n, s in res["suites"].items()},
                           **({"comparison": {k: res["comparison"][k] for k in ("status", "regressions")}}
                              if res.get("comparison") else {})},
                          indent=2))
-    if status == "interrupted":
+    if out.status == "interrupted":
         return EXIT_INTERRUPTED
-    if status == "env-broken":
+    if out.status == "env-broken":
         return EXIT_ENV_BROKEN
     # partial (a suite executed no check) passes without --strict; under --strict verdict() blocked it
     return EXIT_OK if res["verdict"]["status"] in ("pass", "partial") else EXIT_FAIL
@@ -704,83 +479,6 @@ def _eta(expected_s: float | None, elapsed_s: float) -> str:
         return ""
     left = expected_s - elapsed_s
     return f"~{left:.0f} s left" if left >= 0 else f"{-left:.0f} s past the profile's ~{expected_s:.0f} s"
-
-
-def _mark_failed(run_dir: Path, manifest: dict, e: OSError) -> None:
-    """A write failed (a full disk, a folder made read-only): remove our temporary files and, when
-    the disk lets us, mark the folder ``error: <why>`` so no reader takes it for a running run."""
-    for tmp in run_dir.rglob("*.tmp"):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    why = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    manifest.update(ended=rundir.utc_now(), status=f"error: {why}")
-    with contextlib.suppress(OSError):
-        write_json(run_dir / "manifest.json", manifest)
-
-
-def _shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:
-    """Suites per GPU: longest first (the profile's timeouts as the estimate) to the least loaded GPU;
-    each queue keeps the suites' listed order."""
-    load, queues = [0] * n_gpus, [[] for _ in range(n_gpus)]
-    for name in sorted(names, key=lambda n: -prof.timeout(n)):
-        i = load.index(min(load))
-        load[i] += prof.timeout(name)
-        queues[i].append(name)
-    return [[n for n in names if n in q] for q in queues]
-
-
-def _routing(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
-    from nsa_core import PAPER, routing
-    decisions = {str(S): {br: vars(routing.decide(prof.routing, "prefill", br, S, cfg=PAPER))
-                          for br in routing.PREFILL_STAGES} for S in (512, 1024, 4096, 16384, 65536)}
-    executed: dict[str, set] = {}
-    kernels: dict[str, set] = {}
-    for s in results.values():
-        for c in s.cases:
-            for k, bes in c.backends.items():
-                executed.setdefault(k, set()).update(bes)
-            for k, names in c.kernels.items():
-                kernels.setdefault(k, set()).update(names)
-    return {"policy": prof.routing.to_dict(), "decisions": decisions,
-            "executed": {k: sorted(v) for k, v in sorted(executed.items())},
-            # the CUDA kernels the GPU ran, per path (profiler); empty on a CPU, where the dispatch
-            # log ("executed") is the only evidence
-            "observed_kernels": {k: sorted(v) for k, v in sorted(kernels.items())},
-            "evidence": "GPU kernel names (torch.profiler) and the dispatch log" if kernels
-            else "the dispatch log only (no CUDA kernels observed: no GPU)"}
-
-
-def _finish(run_dir: Path, manifest: dict, rep, prof, results, strict: bool, status: str,
-            allowed: dict[str, str] | None = None, baseline: dict | None = None,
-            max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT) -> dict:
-    manifest.update(ended=rundir.utc_now(), status=status)
-    res = {"schema_version": SCHEMA_VERSION, "manifest": manifest, "env": rep.to_dict(), "profile": prof.to_dict(),
-           "routing": _routing(prof, results), "suites": {n: s.to_dict() for n, s in results.items()},
-           "verdict": verdict(results, strict, allowed)}
-    if status != "complete":
-        res["verdict"]["status"] = "fail"
-        res["verdict"]["blocking"].insert(0, f"run {status}")
-        res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
-    if baseline is not None:
-        res["comparison"] = compare.compare(compare.from_results(res, str(run_dir)), baseline, max_regression)
-        _show_comparison(res["comparison"])
-        if res["comparison"]["status"] == "regression":
-            res["verdict"]["status"] = "fail"
-            res["verdict"]["blocking"] += [f"regression vs baseline: {r}" for r in res["comparison"]["regressions"]]
-            res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
-    write_json(run_dir / "routing.json", res["routing"])
-    write_json(run_dir / "results.json", res)
-    junit.write(res, run_dir / "junit.xml")
-    _write_views(run_dir, res)
-    write_json(run_dir / "manifest.json", manifest)
-    return res
-
-
-def _write_views(run_dir: Path, res: dict, embed_plots: bool = False) -> None:
-    """What ``report`` re-renders from results.json: report.md, summary.txt, metrics.csv."""
-    safefs.atomic_write(run_dir / "report.md", report.render(res, embed_plots))
-    safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
-    metrics_csv.write(res, run_dir / "metrics.csv")
 
 
 def _show_verdict(res: dict, run_dir: Path) -> None:

@@ -67,17 +67,11 @@ class RunContext:
     @classmethod
     def load(cls, path: Path) -> "RunContext":
         d = json.loads(Path(path).read_text())
-        prof = d.pop("profile")
-        source = prof.pop("source", "")
-        p = profiles._build(Profile, prof)
-        p.source = source
-        return cls(profile=p, **d)
+        return cls(profile=profiles.from_dict(d.pop("profile")), **d)
 
 
 def default() -> RunContext:
-    import torch
-    prof = profiles.auto_profile()
-    device = "cuda" if (prof.device == "cuda" and torch.cuda.is_available()) else "cpu"
+    prof, device = profiles.resolve()
     return RunContext(profile=prof, device=device)
 
 

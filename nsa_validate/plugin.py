@@ -27,6 +27,7 @@ class Recorder:
         self.metrics: dict = {}
         self.backends: dict = {}
         self.kernels: dict = {}
+        self.routes: dict = {}
         self._klog: evidence.KernelLog | None = None
         self._failures: list[str] = []
 
@@ -37,6 +38,9 @@ class Recorder:
         with routing.capture() as log, evidence.observe(context.current().device) as klog:
             yield log
         self._klog = klog
+        for (phase, branch), ds in log.decisions.items():
+            key = f"{phase}/{branch}"
+            self.routes[key] = sorted(set(self.routes.get(key, [])) | ds)
         for key, names in klog.by_range.items():
             self._saw(key, names)
 
@@ -347,6 +351,7 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
                        "params": _PARAMS.get(nodeid, {}),
                        "metrics": rec.metrics, "backends": rec.backends, "kernels": rec.kernels,
+                       "routes": rec.routes,
                        "duration_s": round(st.get("duration", 0.0), 4), "placeholder": nodeid in _PLACEHOLDERS})
 
 

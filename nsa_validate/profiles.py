@@ -1,8 +1,9 @@
 """Per-GPU-family profiles (``profiles/*.yaml``): routing thresholds, suite sizes, expectations.
 
 A profile is parsed into typed dataclasses; an unknown field, a wrong type or a missing file is
-a ``UsageError`` that names the field. ``auto_profile`` picks the file for the GPU's compute
-capability (``sm90`` for 9.0, the nearest lower family otherwise, ``cpu`` without a GPU).
+a ``UsageError`` that names the field. ``resolve`` picks a run's profile and device: by default
+the file for the GPU's compute capability (``sm90`` for 9.0, the nearest lower family otherwise,
+``cpu`` without a GPU).
 
 Levels (``LEVELS``, like ``dcgmi diag -r``): a profile's ``suites`` are its ``full`` sweep; its
 ``levels: {quick: {suites: …}, standard: {suites: …}}`` override parts of them (mappings merged
@@ -22,97 +23,20 @@ import yaml
 from nsa_core.routing import RoutingPolicy
 from nsa_validate.errors import UsageError
 from nsa_validate.paths import PROFILE_DIR
+from nsa_validate.registry import SUITES
 
 LEVELS = ("quick", "standard", "full")
 DEFAULT_LEVEL = "standard"
 
 
-@dataclass
-class SanityCfg:
-    batch: int = 2
-    seq_len: int = 100
-    decode_from: int = 60          # prefill length before the decode steps
-    dtypes: list[str] = field(default_factory=lambda: ["fp32"])
-
-
-@dataclass
-class CountersCfg:
-    decode_steps: int = 40         # steps measured after each prefill length
-    paper_contexts: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536])
-    backends: list[str] = field(default_factory=lambda: ["torch"])   # decode paths whose reads are checked
-    # layers ("tiny", "paper") whose reads are also measured by effect (suites/read_effect.py)
-    effect_layers: list[str] = field(default_factory=lambda: ["tiny", "paper"])
-
-
-@dataclass
-class TritonCfg:
-    dtypes: list[str] = field(default_factory=lambda: ["fp32", "fp16"])
-    heads_per_group: list[int] = field(default_factory=lambda: [1, 2, 16])
-    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])   # [d_k, d_v]
-    seq_lens: list[int] = field(default_factory=lambda: [77])    # kernel parity, every row checked
-    kv_heads: int = 2                                             # G of the kernel-level cases
-    block_size: int = 16                                          # l' of the kernel-level cases
-    n_selected: int = 4                                           # n of the kernel-level cases
-    varlen_lens: list[int] = field(default_factory=lambda: [0, 1, 17, 40])   # one packed batch
-    long_seq_lens: list[int] = field(default_factory=list)      # parity on sampled rows (GPU)
-    # dtypes of the whole-module fwd+bwd case; None: fp32 and ``dtypes``. fp32 holds the layer to
-    # the fp32 floor, but its IEEE-precision kernels take ~2.5 min to compile on an H100
-    module_dtypes: list[str] | None = None
-    prefill_paper_len: int | None = None                          # module prefill, paper config
-    bench_seq_lens: list[int] = field(default_factory=list)
-    route_seq_lens: list[int] = field(default_factory=list)      # Triton vs torch per routed stage (GPU)
-    margin: float = 1.2                                           # speedup a route needs at every longer length
-
-
-@dataclass
-class Fa2Cfg:
-    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp16"])
-    bench_seq_lens: list[int] = field(default_factory=list)
-    margin: float = 1.2
-
-
-@dataclass
-class DecodeCfg:
-    contexts: list[int] = field(default_factory=lambda: [256, 512])
-    batches: list[int] = field(default_factory=lambda: [1])
-    dtype: str = "fp32"
-    paper_config: bool = False     # G=4, h=16, d_k=192, d_v=128 (else the tiny config)
-    # parity contexts whose reads are also measured by effect (suites/read_effect.py): a cache
-    # copy per perturbed token, so the shortest context
-    effect_contexts: list[int] = field(default_factory=lambda: [256])
-    bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
-    # the Nsight Compute DRAM-counter probe (``dram_reads``, ~10 s on an H100: a profiled process)
-    dram_counters: bool = True
-
-
-@dataclass
-class LayerCfg:
-    """The whole-layer prefill bench (suites/test_layer.py, nsa_validate/bench/layer.py)."""
-    shapes: list[list[int]] = field(default_factory=lambda: [[1, 128], [2, 256]])   # [B, S]
-    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])           # [d_k, d_v]
-    d_model: int = 64
-    kv_heads: int = 2                   # G
-    heads_per_group: int = 2            # h
-    blocks: str = "tiny"                # "paper" (l=32, d=16, l'=64, n=16, w=512) | "tiny"
-    dtype: str = "fp32"
-    budget_ms: float = 200.0            # per timing (at least 3 samples whatever the budget)
-    stages: bool = True                 # the per-stage breakdown of every row
-    needle_len: int | None = None       # the needle case's context (None: the longest shape's S)
-    routing: RoutingPolicy | None = None  # the layer's routing; None: the profile's own
-
-
-@dataclass
-class SuitesCfg:
-    timeout_s: dict[str, int] = field(default_factory=dict)
+SuitesCfg = dataclasses.make_dataclass("SuitesCfg", [
+    ("timeout_s", dict[str, int], field(default_factory=dict)),
     # how long each suite took on the family's reference GPU at this level (seconds; suites sharing
     # it, cold Triton cache): the ETA a terminal shows. A suite not listed gets no ETA
-    expected_s: dict[str, float] = field(default_factory=dict)
-    sanity: SanityCfg = field(default_factory=SanityCfg)
-    counters: CountersCfg = field(default_factory=CountersCfg)
-    triton: TritonCfg = field(default_factory=TritonCfg)
-    fa2: Fa2Cfg = field(default_factory=Fa2Cfg)
-    decode: DecodeCfg = field(default_factory=DecodeCfg)
-    layer: LayerCfg = field(default_factory=LayerCfg)
+    ("expected_s", dict[str, float], field(default_factory=dict)),
+    # each suite's own section, of the type its registry entry declares
+    *((s.name, s.config, field(default_factory=s.config)) for s in SUITES.values())])
+SuitesCfg.__doc__ = "A profile's ``suites``: limits and ETAs per suite, and each suite's section."
 
 
 @dataclass
@@ -156,8 +80,9 @@ class Profile:
         over = {f.name: getattr(self.expect_by_device[key], f.name) for f in dataclasses.fields(ExpectCfg)}
         return dataclasses.replace(self.expect, **{k: v for k, v in over.items() if v is not None}), key
 
-    def timeout(self, suite: str, default: int = 1800) -> int:
-        return int(self.suites.timeout_s.get(suite, default))
+    def timeout(self, suite: str) -> int:
+        """Seconds the suite may run: the profile's ``suites.timeout_s``, else its registry entry's."""
+        return int(self.suites.timeout_s.get(suite, SUITES[suite].timeout_s))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -301,7 +226,6 @@ def check_ranges(prof: Profile) -> None:
     """Values a suite cannot run with are bad input, not NSA failures: UsageError naming the field
     and what it may be."""
     from nsa_core.routing import DECODE_BACKENDS, FA2_BACKENDS
-    from suites import SUITES
 
     def bad(field_: str, allowed: str, got) -> None:
         raise UsageError(f"field '{field_}' must be {allowed}, got {got!r}")
@@ -420,3 +344,21 @@ def auto_profile(level: str = DEFAULT_LEVEL) -> Profile:
     import torch
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return load(auto_name(cap), level)
+
+
+def resolve(name_or_path: str | None = None, level: str = DEFAULT_LEVEL) -> tuple[Profile, str]:
+    """The one place a run's profile and device are chosen: (the profile named, else the one for
+    this machine's GPU, at ``level``; "cuda" when the profile asks for a GPU and one is visible,
+    else "cpu"). The CLI's runs and a plain ``pytest suites/`` both come through here."""
+    import torch
+    prof = load(name_or_path, level) if name_or_path else auto_profile(level)
+    return prof, "cuda" if prof.device == "cuda" and torch.cuda.is_available() else "cpu"
+
+
+def from_dict(data: dict) -> Profile:
+    """A profile as ``Profile.to_dict`` wrote it (a suite process reads its run's context)."""
+    data = dict(data)
+    source = data.pop("source", "")
+    prof = _build(Profile, data)
+    prof.source = source
+    return prof

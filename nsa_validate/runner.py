@@ -17,7 +17,7 @@ from typing import Callable
 from nsa_validate.context import RunContext
 from nsa_validate.paths import REPO_ROOT
 from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
-from suites import Suite, path_of
+from nsa_validate.registry import Suite
 
 
 
@@ -84,7 +84,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     ctx.parent_pid = os.getpid()
     Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
     ctx.save(ctx_path)
-    cmd = [sys.executable, "-m", "pytest", str(path_of(suite)), "-q", "-rfEs", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-q", "-rfEs", "-p", "no:cacheprovider",
            "--rootdir", str(REPO_ROOT), "--nsa-context", str(ctx_path), "--nsa-records", str(rec_path),
            *(["-k", ctx.select] if ctx.select else [])]
     timeout = ctx.timeout_s or ctx.profile.timeout(suite.name)
@@ -122,18 +122,27 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
             problem = f"pytest exited with code {rc} (collection or internal error)"
         elif total is not None and len(cases) < total:
             problem = f"process ended after {len(cases)} of {total} cases"
+    result = suite_result(suite.name, run_dir, problem, round(time.monotonic() - t0, 2), rc)
+    if interrupted:
+        raise SuiteInterrupted(result)
+    return result
+
+
+def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float = 0.0,
+                 returncode: int | None = None) -> SuiteResult:
+    """A suite's result from what its process left in the run folder: the case records, and the
+    tables and notes it saved (``extra.json``). ``problem``: why the process ended early, if it did
+    (an error case says so)."""
+    total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl")
     if problem:
-        cases.append(CaseRecord("suite-process", suite.name, "error", f"{problem}; see logs/{suite.name}.log"))
-    extra_path = Path(ctx.out_dir) / "extra.json"
+        cases.append(CaseRecord("suite-process", name, "error", f"{problem}; see logs/{name}.log"))
+    extra_path = run_dir / "suites" / name / "extra.json"
     try:
         extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
     except (OSError, ValueError):     # cut short by a process killed while writing it
         extra = {}
-    result = SuiteResult(suite.name, suite_status(cases, problem), round(time.monotonic() - t0, 2), cases,
-                         reason=problem, log=f"logs/{suite.name}.log", returncode=rc, extra=extra)
-    if interrupted:
-        raise SuiteInterrupted(result)
-    return result
+    return SuiteResult(name, suite_status(cases, problem), duration_s, cases, reason=problem,
+                       log=f"logs/{name}.log", returncode=returncode, extra=extra)
 
 
 class SuiteInterrupted(KeyboardInterrupt):

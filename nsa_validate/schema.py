@@ -42,6 +42,8 @@ class CaseRecord:
     placeholder: bool = False
     # the case's pytest parameters by name (e.g. {"B": 16, "S": 65536}), so readers need not parse ids
     params: dict = field(default_factory=dict)
+    # the routing decisions made inside the case's captures, per path ("prefill/sel": ["triton: S=… >= …"])
+    routes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -319,7 +319,7 @@ def test_a_full_disk_marks_the_folder_and_leaves_no_temp_files(tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", ["nsa-validate", "suite", "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         try:
-            nv._run([], "cpu", str(tmp_path), False, False, gate_env=False)
+            nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path)))
         except OSError as err:
             nv._exit_with_error(nv._os_error(err), 2)
     assert e.value.code == 2

@@ -1,0 +1,120 @@
+"""The suites the CLI drives, one entry each: its file under ``suites/`` (a pytest module, run
+in its own process), what it proves, the type of its section in a profile (``suites.<name>``),
+and the time it may take unless the profile says otherwise.
+
+Adding a suite: its file, an entry here (with its config type), and its sizes in
+``profiles/base/gpu.yaml``. Nothing here imports a suite: the harness reaches them as files.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nsa_core.routing import RoutingPolicy
+from nsa_validate.paths import REPO_ROOT
+
+
+@dataclass
+class SanityCfg:
+    batch: int = 2
+    seq_len: int = 100
+    decode_from: int = 60          # prefill length before the decode steps
+    dtypes: list[str] = field(default_factory=lambda: ["fp32"])
+
+
+@dataclass
+class CountersCfg:
+    decode_steps: int = 40         # steps measured after each prefill length
+    paper_contexts: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536])
+    backends: list[str] = field(default_factory=lambda: ["torch"])   # decode paths whose reads are checked
+    # layers ("tiny", "paper") whose reads are also measured by effect (suites/read_effect.py)
+    effect_layers: list[str] = field(default_factory=lambda: ["tiny", "paper"])
+
+
+@dataclass
+class TritonCfg:
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "fp16"])
+    heads_per_group: list[int] = field(default_factory=lambda: [1, 2, 16])
+    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])   # [d_k, d_v]
+    seq_lens: list[int] = field(default_factory=lambda: [77])    # kernel parity, every row checked
+    kv_heads: int = 2                                             # G of the kernel-level cases
+    block_size: int = 16                                          # l' of the kernel-level cases
+    n_selected: int = 4                                           # n of the kernel-level cases
+    varlen_lens: list[int] = field(default_factory=lambda: [0, 1, 17, 40])   # one packed batch
+    long_seq_lens: list[int] = field(default_factory=list)      # parity on sampled rows (GPU)
+    # dtypes of the whole-module fwd+bwd case; None: fp32 and ``dtypes``. fp32 holds the layer to
+    # the fp32 floor, but its IEEE-precision kernels take ~2.5 min to compile on an H100
+    module_dtypes: list[str] | None = None
+    prefill_paper_len: int | None = None                          # module prefill, paper config
+    bench_seq_lens: list[int] = field(default_factory=list)
+    route_seq_lens: list[int] = field(default_factory=list)      # Triton vs torch per routed stage (GPU)
+    margin: float = 1.2                                           # speedup a route needs at every longer length
+
+
+@dataclass
+class Fa2Cfg:
+    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp16"])
+    bench_seq_lens: list[int] = field(default_factory=list)
+    margin: float = 1.2
+
+
+@dataclass
+class DecodeCfg:
+    contexts: list[int] = field(default_factory=lambda: [256, 512])
+    batches: list[int] = field(default_factory=lambda: [1])
+    dtype: str = "fp32"
+    paper_config: bool = False     # G=4, h=16, d_k=192, d_v=128 (else the tiny config)
+    # parity contexts whose reads are also measured by effect (suites/read_effect.py): a cache
+    # copy per perturbed token, so the shortest context
+    effect_contexts: list[int] = field(default_factory=lambda: [256])
+    bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
+    # the Nsight Compute DRAM-counter probe (``dram_reads``, ~10 s on an H100: a profiled process)
+    dram_counters: bool = True
+
+
+@dataclass
+class LayerCfg:
+    """The whole-layer prefill bench (suites/test_layer.py, nsa_validate/bench/layer.py)."""
+    shapes: list[list[int]] = field(default_factory=lambda: [[1, 128], [2, 256]])   # [B, S]
+    head_dims: list[list[int]] = field(default_factory=lambda: [[32, 16]])           # [d_k, d_v]
+    d_model: int = 64
+    kv_heads: int = 2                   # G
+    heads_per_group: int = 2            # h
+    blocks: str = "tiny"                # "paper" (l=32, d=16, l'=64, n=16, w=512) | "tiny"
+    dtype: str = "fp32"
+    budget_ms: float = 200.0            # per timing (at least 3 samples whatever the budget)
+    stages: bool = True                 # the per-stage breakdown of every row
+    needle_len: int | None = None       # the needle case's context (None: the longest shape's S)
+    routing: RoutingPolicy | None = None  # the layer's routing; None: the profile's own
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    file: str                   # under suites/
+    proves: str
+    config: type                # its section of a profile: ``profile.suites.<name>``
+    timeout_s: int = 1800       # its limit where the profile sets none (suites.timeout_s)
+
+    @property
+    def path(self):
+        return REPO_ROOT / "suites" / self.file
+
+
+SUITES = {s.name: s for s in [
+    Suite("sanity", "test_sanity.py",
+          "tiny prefill + decode end to end; each branch (gate forced one-hot) vs the oracle; finite outputs",
+          SanityCfg),
+    Suite("triton", "test_triton.py",
+          "Triton selection, compressed attention and block scoring kernels vs the oracle; GQA, varlen, determinism, "
+          "module on the kernels; bench", TritonCfg),
+    Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; "
+          "bench", Fa2Cfg),
+    Suite("decode", "test_decode.py",
+          "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline", DecodeCfg),
+    Suite("layer", "test_layer.py",
+          "the whole NSA layer (prefill fwd, fwd+bwd, peak memory, stage breakdown) vs a dense layer; needle at "
+          "long range", LayerCfg),
+    Suite("counters", "test_counters.py",
+          "decode read counters measured from the gathered indices == formula at every step; paper Table 4",
+          CountersCfg),
+]}

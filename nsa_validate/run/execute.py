@@ -1,0 +1,190 @@
+"""``execute``: one run from request to finished run folder.
+
+Profile and device (``profiles.resolve``), the environment check, the run folder and its
+manifest, the suites (each its own pytest process: ``runner.run_suite``) one after another, at
+once on a GPU (``gpu_share``), or sharded over GPUs; SIGINT/SIGTERM/SIGHUP stop it cleanly.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nsa_validate import __version__, compare, envcheck, gpu_share, profiles, rundir
+from nsa_validate.context import RunContext
+from nsa_validate.registry import SUITES
+from nsa_validate.run.finish import finish, mark_failed
+from nsa_validate.run.listener import Listener
+from nsa_validate.run.stop import Stop
+from nsa_validate.runner import SuiteInterrupted, run_suite
+from nsa_validate.schema import CaseRecord, SuiteResult, write_json
+
+
+@dataclass
+class RunRequest:
+    """What the user asked for (``suite`` / ``oneshot`` options), typed; recorded in the manifest."""
+    suites: list[str]
+    profile: str | None = None            # name or path; None: the one for this machine's GPU
+    level: str = profiles.DEFAULT_LEVEL
+    out: str | None = None                # root of run folders; None: ./artifacts
+    strict: bool = False
+    gate_env: bool = False                # a broken environment runs no suite (oneshot)
+    allowed_skips: dict[str, str] = field(default_factory=dict)
+    baseline: dict | None = None          # ``compare.load``: gate timings and statuses against it
+    max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT
+    n_gpus: int = 1
+    share_gpu: bool | None = None         # None: at once on a GPU, one after another on a CPU
+    select: str | None = None             # pytest -k for every suite
+    timeout: int | None = None            # seconds per suite instead of the profile's
+
+
+@dataclass
+class Outcome:
+    run_dir: Path
+    status: str                           # complete | interrupted | env-broken
+    results: dict                         # results.json's content
+
+
+def execute(req: RunRequest, listener: Listener | None = None) -> Outcome:
+    """Run ``req``; ``listener`` hears of each step. An OSError (a full disk) marks the folder
+    ``error: <why>`` and propagates."""
+    with Stop() as stop:
+        return _execute(req, listener or Listener(), stop)
+
+
+def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
+    t_start = time.monotonic()
+    prof, device = profiles.resolve(req.profile, req.level)
+    root = rundir.check_out(req.out)
+    rep = envcheck.collect()
+    t_env = time.monotonic()
+    if req.baseline is not None:       # a baseline from another machine is refused before anything runs
+        compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, req.select), req.baseline)
+    git = rundir.git_info()
+    run_dir = rundir.create(root, git)
+    names = req.suites
+    shards = shard(names, prof, req.n_gpus)
+    # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
+    # on a CPU they would only compete for its cores
+    share_gpu = (device == "cuda" and len(names) > 1) if req.share_gpu is None else req.share_gpu
+    manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
+                "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
+                "level": prof.level, "tool_version": __version__,
+                "device": device, "strict": req.strict, "suites": names, "started": rundir.utc_now(),
+                "ended": None, "status": "running", "allowed_skips": req.allowed_skips,
+                # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
+                "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
+                "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if req.n_gpus > 1 else None,
+                "share_gpu": share_gpu, "select": req.select, "timeout_s": req.timeout}
+    if prof.device == "cuda" and device != "cuda":
+        manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
+    results: dict[str, SuiteResult] = {}
+    status = "complete"
+    threads: list[threading.Thread] = []
+    try:
+        write_json(run_dir / "manifest.json", manifest)
+        listener.run_started(run_dir)
+        write_json(run_dir / "env.json", rep.to_dict())
+        listener.env_checked(rep)
+        if req.gate_env and rep.verdict == "broken":
+            status = "env-broken"
+            listener.env_broken()
+        elif not stop.is_set():
+            with listener.suites_running():
+                threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu,
+                                      results, listener, stop)
+    except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
+        if isinstance(e, SuiteInterrupted):
+            results[e.result.name] = e.result
+        stop.event.set()
+    except OSError as e:
+        mark_failed(run_dir, manifest, e)
+        raise
+    if stop.is_set():
+        status = "interrupted"
+        for th in threads:             # each shard kills its suite process and returns
+            th.join(timeout=60)
+        listener.interrupted(list(dict.fromkeys(stop.signals)))
+    # where the wall time went (after the imports): the environment check, the suites, the rest
+    manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
+    if share_gpu:                  # who held each GPU when: kept under logs/, and checked
+        bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
+        if bad:
+            listener.shared_gpu_overlaps(bad)
+    for name in names:
+        if name not in results and status != "env-broken":
+            results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
+                                        cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
+    results = {n: results[n] for n in names if n in results}
+    try:
+        res = finish(run_dir, manifest, rep.to_dict(), prof, results, req.strict, status, req.allowed_skips,
+                     req.baseline, req.max_regression)
+    except OSError as e:
+        mark_failed(run_dir, manifest, e)
+        raise
+    return Outcome(run_dir, status, res)
+
+
+def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, results, listener, stop):
+    """Every suite, on the threads the sharing mode asks for; returns those threads."""
+    def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
+        for name in queue:
+            if stop.is_set():
+                return
+            where = f" gpu{gpu_index}" if gpu_index is not None else ""
+            t_suite = time.monotonic()
+            listener.suite_started(name, where)
+
+            def progress(done, total, running=None):
+                listener.suite_progress(name, done, total, running, time.monotonic() - t_suite)
+            # sharing a GPU, a suite may wait for every other suite's timed cases: its limit is
+            # then the whole GPU queue's (the time they would take one by one)
+            limit = req.timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
+            ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
+                             select=req.select, timeout_s=limit, run_id=manifest["run_id"],
+                             commit=rundir.commit_label(git))
+            results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
+            listener.suite_finished(name, where, results[name])
+
+    n_gpus = req.n_gpus
+    if share_gpu:      # every suite at once; each case holds its GPU's lock (gpu_share)
+        jobs = [([n], None if n_gpus == 1 else i, gpu_share.lock_path(run_dir, i))
+                for i, q in enumerate(shards) for n in q]
+    elif n_gpus == 1:
+        jobs = [(shards[0], None, None)]
+    else:              # one thread per GPU, each running its suites one after another
+        jobs = [(q, i, None) for i, q in enumerate(shards)]
+    if len(jobs) == 1:
+        work(*jobs[0])
+        return []
+    # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
+    starting = {lock: gpu_share.acquire(lock, exclusive=False) for lock in dict.fromkeys(j[2] for j in jobs if j[2])}
+    threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
+    for th in threads:
+        th.start()
+    t0 = time.monotonic()
+    while any(th.is_alive() for th in threads):
+        for lock in list(starting):
+            mine = [th for th, j in zip(threads, jobs) if j[2] == lock]
+            ended = sum(not th.is_alive() for th in mine)
+            if gpu_share.started(lock) + ended >= len(mine) or time.monotonic() - t0 > 300:
+                gpu_share.release(starting.pop(lock))
+        time.sleep(0.2)
+    for fd in starting.values():
+        gpu_share.release(fd)
+    return threads
+
+
+def shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:
+    """Suites per GPU: longest first (the profile's timeouts as the estimate) to the least loaded GPU;
+    each queue keeps the suites' listed order."""
+    load, queues = [0] * n_gpus, [[] for _ in range(n_gpus)]
+    for name in sorted(names, key=lambda n: -prof.timeout(n)):
+        i = load.index(min(load))
+        load[i] += prof.timeout(name)
+        queues[i].append(name)
+    return [[n for n in names if n in q] for q in queues]
