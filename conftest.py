@@ -1,9 +1,8 @@
-# Without a GPU, Triton kernels run under Triton's interpreter (as the CLI's suite processes do,
-# see nsa_validate.runner.suite_env). Triton reads TRITON_INTERPRET when a kernel is defined, so it
-# is set here, before any test module imports the kernels.
-import os
+# Without a GPU, Triton kernels run under Triton's interpreter (nsa_validate.interpret decides);
+# the switch is set before any test module imports the kernels, which then register their
+# backends with nsa_core.routing.
+from nsa_validate import interpret
 
-import torch
+interpret.set_for_this_process()
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kernels  # noqa: E402,F401  (registers the Triton and FA-2 backends)

@@ -71,11 +71,11 @@ def prefill_selection(cfg: NSAConfig, q, k, v, idx):
                                       v.reshape(B * S, cfg.n_kv_heads, -1),
                                       idx.reshape(B * S, cfg.n_kv_heads, -1), cfg.block_size, cu,
                                       scale=cfg.scale, max_seqlen=S)
-    routing.note("prefill", "sel", "triton")
+    routing.note(routing.PREFILL, "sel", routing.TRITON)
     return o.view(B, S, H, cfg.d_v)
 
 
-routing.register("prefill", "sel", "triton", prefill_selection, selection_unavailable)
+routing.register(routing.PREFILL, "sel", routing.TRITON, prefill_selection, selection_unavailable)
 
 
 def prefill_compressed(cfg: NSAConfig, q, k_cmp, v_cmp):
@@ -87,11 +87,11 @@ def prefill_compressed(cfg: NSAConfig, q, k_cmp, v_cmp):
                                              v_cmp.reshape(B * N, G, -1), cfg.cmp_len, cfg.cmp_stride,
                                              _batch_cu(B, S, q.device), _batch_cu(B, N, q.device),
                                              scale=cfg.scale, max_seqlen=S)
-    routing.note("prefill", "cmp", "triton")
+    routing.note(routing.PREFILL, "cmp", routing.TRITON)
     return o.view(B, S, H, cfg.d_v), lse.view(B, S, H)
 
 
-routing.register("prefill", "cmp", "triton", prefill_compressed, triton_unavailable)
+routing.register(routing.PREFILL, "cmp", routing.TRITON, prefill_compressed, triton_unavailable)
 
 
 def prefill_select(cfg: NSAConfig, q, k_cmp, lse=None):
@@ -106,21 +106,21 @@ def prefill_select(cfg: NSAConfig, q, k_cmp, lse=None):
                                                      scale=cfg.scale, max_seqlen=S, with_o=False)
     idx = scoring.select_blocks(qp, kp, lse.reshape(B * S, H), cfg.cmp_len, cfg.cmp_stride, cfg.block_size,
                                 cfg.n_selected, cu, cu_c, scale=cfg.scale, max_seqlen=S)
-    routing.note("prefill", "select", "triton")
+    routing.note(routing.PREFILL, "select", routing.TRITON)
     return idx.view(B, S, G, cfg.n_selected)
 
 
-routing.register("prefill", "select", "triton", prefill_select, select_unavailable)
+routing.register(routing.PREFILL, "select", routing.TRITON, prefill_select, select_unavailable)
 
 
 def prefill_mix(g, o_cmp, o_sel, o_win):
     """g [B, S, H, 3], o_* [B, S, H, d_v] -> Σ g·o [B, S, H, d_v] in one Triton pass (and one backward)."""
     o = mix.gated_mix(g, o_cmp, o_sel, o_win)
-    routing.note("prefill", "mix", "triton")
+    routing.note(routing.PREFILL, "mix", routing.TRITON)
     return o
 
 
-routing.register("prefill", "mix", "triton", prefill_mix, triton_unavailable)
+routing.register(routing.PREFILL, "mix", routing.TRITON, prefill_mix, triton_unavailable)
 
 
 # -- FA-2 varlen for the compressed and window branches -------------------------------------
@@ -149,14 +149,14 @@ def _fa2_prefill(backend: str, branch: str):
             layout = fa2.compressed_layout((S,) * B, cfg, q.device)
             o = fa2.compressed_attention(qp, t["k_cmp"].reshape(B * N, cfg.n_kv_heads, -1),
                                          t["v_cmp"].reshape(B * N, cfg.n_kv_heads, -1), layout, b, cfg.scale)
-        routing.note("prefill", branch, f"fa2:{backend}")
+        routing.note(routing.PREFILL, branch, routing.fa2_route(backend))
         return o.view(B, S, H, cfg.d_v)
     return run
 
 
 for _backend in ("auto", *fa2.BACKENDS):
     for _branch in ("cmp", "win"):
-        routing.register("prefill", _branch, f"fa2:{_backend}", _fa2_prefill(_backend, _branch),
+        routing.register(routing.PREFILL, _branch, routing.fa2_route(_backend), _fa2_prefill(_backend, _branch),
                          _fa2_unavailable(_backend, _branch))
 
 
@@ -166,7 +166,7 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
     o [B, H, d_v]}, {branch: reads [B, G] int64}, idx [B, G, n] int64 or None) from the Triton
     decode kernels, selection included. The ``DecodeStep`` (plan and workspace) is made once per
     cache and branch set; what is returned is copied out of its workspace (the next step reuses it)."""
-    key = ("triton", tuple(branches))
+    key = (routing.TRITON, tuple(branches))
     step = cache.kernel_state.get(key)
     if step is None:
         step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches)
@@ -175,4 +175,4 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
             r.idx.long() if r.idx is not None else None)
 
 
-routing.register("decode", "step", "triton", decode_step, triton_unavailable)
+routing.register(routing.DECODE, "step", routing.TRITON, decode_step, triton_unavailable)

@@ -1,7 +1,11 @@
 """The bundled NSA implementation: config, fp32 oracle, module, decode cache, routing.
 
 Names are imported on first use (PEP 562), so ``nsa_core.config`` and ``nsa_core.routing`` load
-without torch: the CLI's ``--help``, ``list``, ``report`` and ``compare`` never import it."""
+without torch: the CLI's ``--help``, ``list``, ``report`` and ``compare`` never import it.
+
+``nsa_core`` imports nothing of ``kernels``: the Triton and FA-2 backends register themselves with
+``nsa_core.routing`` when ``kernels`` is imported (``import kernels``); until then every branch
+runs on torch and each routing decision says why."""
 import importlib
 
 _WHERE = {"NSAConfig": "config", "PAPER": "config", "tiny": "config", "NSAAttention": "module",

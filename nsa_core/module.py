@@ -131,9 +131,9 @@ class NSAAttention(nn.Module):
         branch (a zero output when none ran)."""
         B, S = g.shape[:2]
         d = (routes or {}).get("mix")
-        with routing.profiler_range("prefill", "mix"):
-            if d is not None and d.backend != "torch" and all(br in parts for br in BRANCHES):
-                impl, _ = routing.lookup("prefill", "mix", d.backend)
+        with routing.profiler_range(routing.PREFILL, "mix"):
+            if d is not None and d.backend != routing.TORCH and all(br in parts for br in BRANCHES):
+                impl, _ = routing.lookup(routing.PREFILL, "mix", d.backend)
                 o = impl(g, *(parts[br] for br in BRANCHES))
             else:
                 o = None
@@ -143,7 +143,7 @@ class NSAAttention(nn.Module):
                 if o is None:
                     o = g.new_zeros(B, S, self.cfg.n_heads, self.cfg.d_v)
                 if d is not None:
-                    routing.note("prefill", "mix", "torch")
+                    routing.note(routing.PREFILL, "mix", routing.TORCH)
         return self.o_proj(o.reshape(B, S, -1))
 
     # -- prefill -------------------------------------------------------------------------
@@ -151,7 +151,6 @@ class NSAAttention(nn.Module):
                 cache: DecodeCache | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill x [B, S, D] -> [B, S, D]. ``cache`` (empty) is filled for later decode steps.
         ``idx`` [B, S, G, n] overrides block selection (to feed a kernel fixed indices)."""
-        cfg = self.cfg
         B, S, _ = x.shape
         q, k, v = self.project(x)
         k_cmp, v_cmp = self.cmp_k(k), self.cmp_v(v)
@@ -176,9 +175,9 @@ class NSAAttention(nn.Module):
         ``with_lse``: (o, lse [B, S, H] fp32 or None), the log-sum-exp where the backend gives one
         (the Triton compressed kernel: block scoring reuses it)."""
         d = routes[branch]
-        with routing.profiler_range("prefill", branch):
-            if d.backend != "torch":    # decide() already checked that this implementation is usable
-                impl, _ = routing.lookup("prefill", branch, d.backend)
+        with routing.profiler_range(routing.PREFILL, branch):
+            if d.backend != routing.TORCH:    # decide() already checked that this implementation is usable
+                impl, _ = routing.lookup(routing.PREFILL, branch, d.backend)
                 out = impl(cfg=self.cfg, **tensors)
             else:
                 fn = {"cmp": tb.cmp_attention, "sel": tb.sel_attention, "win": tb.win_attention}[branch]
@@ -192,11 +191,11 @@ class NSAAttention(nn.Module):
         ``lse`` [B, S, H]: the compressed branch's log-sum-exp when it has one (saves the scorer a pass)."""
         routes = routes or self.routes(q.shape[1], q.device, q.dtype)
         d = routes["select"]
-        with routing.profiler_range("prefill", "select"):
-            if d.backend != "torch":
-                impl, _ = routing.lookup("prefill", "select", d.backend)
+        with routing.profiler_range(routing.PREFILL, "select"):
+            if d.backend != routing.TORCH:
+                impl, _ = routing.lookup(routing.PREFILL, "select", d.backend)
                 return impl(cfg=self.cfg, q=q, k_cmp=k_cmp, lse=lse)
-            routing.note("prefill", "select", "torch")
+            routing.note(routing.PREFILL, "select", routing.TORCH)
             return tb.select_blocks(q, k_cmp, self.cfg)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,23 +226,23 @@ class NSAAttention(nn.Module):
             cache.v_cmp[:, i:i + 1] = self.cmp_v(cache.v[:, span[0]:span[1]])
         g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
-        route = routing.decide(self.policy, "decode", "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
-        if route.backend != "torch":      # one fused step for the three branches (kernels/decode.py)
-            impl, _ = routing.lookup("decode", "step", route.backend)
-            with routing.profiler_range("decode", "step"):
+        route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
+        if route.backend != routing.TORCH:      # one fused step for the three branches (kernels/decode.py)
+            impl, _ = routing.lookup(routing.DECODE, "step", route.backend)
+            with routing.profiler_range(routing.DECODE, "step"):
                 outs, reads, idx = impl(cfg=cfg, q=q[:, 0], cache=cache, branches=want)
             return self.mix(g, {br: outs[br][:, None] for br in want}), StepInfo(reads, idx)
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
         parts, reads, idx = {}, {}, None
         if "cmp" in want:
-            parts["cmp"], used = tb.cmp_attention(q, Kc, Vc, cfg, start=t, phase="decode", want_used=True)
+            parts["cmp"], used = tb.cmp_attention(q, Kc, Vc, cfg, start=t, phase=routing.DECODE, want_used=True)
             reads["cmp"] = used[:, 0]
         if "sel" in want:
             idx = tb.select_blocks(q, Kc, cfg, start=t)
-            parts["sel"], used = tb.sel_attention(q, K, V, idx, cfg, start=t, phase="decode", want_used=True)
+            parts["sel"], used = tb.sel_attention(q, K, V, idx, cfg, start=t, phase=routing.DECODE, want_used=True)
             reads["sel"] = used[:, 0]
             idx = idx[:, 0]
         if "win" in want:
-            parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase="decode", want_used=True)
+            parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase=routing.DECODE, want_used=True)
             reads["win"] = used[:, 0]
         return self.mix(g, parts), StepInfo(reads, idx)

@@ -38,7 +38,18 @@ class RoutingPolicy:
         return asdict(self)
 
 
-# Registry of non-default implementations, filled by the ``kernels`` package when it imports.
+# Backends and phases by name (the dispatch log and the results record these strings).
+TORCH, TRITON, FA2 = "torch", "triton", "fa2"
+PREFILL, DECODE = "prefill", "decode"
+
+
+def fa2_route(fa2_backend: str) -> str:
+    """The backend name of FA-2 through ``fa2_backend`` (``FA2_BACKENDS``): "fa2:auto", "fa2:varlen"…"""
+    return f"{FA2}:{fa2_backend}"
+
+
+# Registry of non-default implementations. ``nsa_core`` imports no implementation: the ``kernels``
+# package registers its own when it is imported (``import kernels``; the harness does).
 # key: (phase, branch, backend) -> (implementation, availability check returning a reason or None)
 _IMPLS: dict[tuple[str, str, str], tuple[Callable, Callable[..., str | None]]] = {}
 
@@ -48,26 +59,25 @@ def register(phase: str, branch: str, backend: str, impl: Callable,
     _IMPLS[(phase, branch, backend)] = (impl, unavailable)
 
 
-def _load_kernels() -> None:
-    """Import the ``kernels`` package once, so its implementations register themselves."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import importlib
-        importlib.import_module("kernels")
-
-
-_loaded = False
-
-
 def lookup(phase: str, branch: str, backend: str, **query) -> tuple[Callable | None, str | None]:
     """(implementation, None) if usable for this query, else (None, reason)."""
-    _load_kernels()
     if (phase, branch, backend) not in _IMPLS:
-        return None, f"no {backend} implementation of {phase}/{branch} is registered"
+        return None, (f"no {backend} implementation of {phase}/{branch} is registered "
+                      f"(the kernels package registers them: import kernels)")
     impl, unavailable = _IMPLS[(phase, branch, backend)]
     reason = unavailable(**query)
     return (None, reason) if reason else (impl, None)
+
+
+# The prefill backends a policy may pick per stage, in order of preference, each with the policy
+# field holding the shortest length it is used from (None: never).
+PREFILL_RULES: dict[str, tuple[tuple[str, str], ...]] = {
+    "cmp": ((TRITON, "cmp_triton_min_len"), (FA2, "fa2_min_len_cmp")),
+    "sel": ((TRITON, "sel_triton_min_len"),),
+    "win": ((FA2, "fa2_min_len_win"),),
+    "select": ((TRITON, "select_triton_min_len"),),
+    "mix": ((TRITON, "mix_triton_min_len"),),
+}
 
 
 @dataclass
@@ -91,28 +101,24 @@ def decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query
 
 def _decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **query) -> Decision:
     candidates, notes = [], []
-    if phase == "prefill" and branch in ("sel", "cmp", "select", "mix"):
-        thr = getattr(policy, f"{branch}_triton_min_len")
-        if thr is not None and seq_len >= thr:
-            candidates.append(("triton", f"S={seq_len} >= {branch}_triton_min_len={thr}"))
-        elif thr is not None:
-            notes.append(f"S={seq_len} < {branch}_triton_min_len={thr}")
-    if phase == "prefill" and branch in ("cmp", "win"):
-        thr = getattr(policy, f"fa2_min_len_{branch}")
-        if thr is not None and seq_len >= thr:
-            candidates.append((f"fa2:{policy.fa2_backend}", f"S={seq_len} >= fa2_min_len_{branch}={thr}"))
-        elif thr is not None:
-            notes.append(f"S={seq_len} < fa2_min_len_{branch}={thr}")
-    if phase == "decode" and policy.decode_backend != "torch":
+    if phase == PREFILL:
+        for backend, knob in PREFILL_RULES.get(branch, ()):
+            thr = getattr(policy, knob)
+            if thr is not None and seq_len >= thr:
+                candidates.append((fa2_route(policy.fa2_backend) if backend == FA2 else backend,
+                                   f"S={seq_len} >= {knob}={thr}"))
+            elif thr is not None:
+                notes.append(f"S={seq_len} < {knob}={thr}")
+    elif phase == DECODE and policy.decode_backend != TORCH:
         candidates.append((policy.decode_backend, f"decode_backend={policy.decode_backend}"))
     for wanted, why in candidates:
         impl, reason = lookup(phase, branch, wanted, seq_len=seq_len, **query)
         if impl is not None:
             return Decision(phase, branch, wanted, why)
         notes.append(f"{why}, but {wanted} unavailable: {reason}")
-    return Decision(phase, branch, "torch", "; ".join(notes) or "default")
+    return Decision(phase, branch, TORCH, "; ".join(notes) or "default")
 
 
 def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:
     """The backend each prefill stage (``PREFILL_STAGES``) uses at this length under ``policy``, and why."""
-    return {br: decide(policy, "prefill", br, seq_len, **query) for br in PREFILL_STAGES}
+    return {br: decide(policy, PREFILL, br, seq_len, **query) for br in PREFILL_STAGES}

@@ -22,6 +22,13 @@ from nsa_core.config import NSAConfig
 CHUNK = 128
 
 
+def _chunks(Sq: int, start: int, device):
+    """The query rows CHUNK at a time: (c0, c1, their absolute positions [c1 − c0])."""
+    for c0 in range(0, Sq, CHUNK):
+        c1 = min(Sq, c0 + CHUNK)
+        yield c0, c1, torch.arange(start + c0, start + c1, device=device)
+
+
 def _softmax_rows(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last dim; rows with nothing allowed give zeros, not NaN."""
     s = s.float().masked_fill(~allowed, float("-inf"))
@@ -42,34 +49,33 @@ def _attend(qc, k, v, allowed, cfg: NSAConfig) -> torch.Tensor:
     return torch.einsum("bqghk,bkgd->bqghd", p.to(v.dtype), v).reshape(B, c, H, cfg.d_v)
 
 
-def _cmp_allowed(cfg: NSAConfig, t0: int, t1: int, device) -> torch.Tensor:
-    """[c, n] bool for rows [t0, t1) over the n = n_cmp(t1−1) compressed tokens the chunk can use."""
-    pos = torch.arange(t0, t1, device=device)
-    i = torch.arange(cfg.n_cmp(t1 - 1), device=device)
+def _cmp_allowed(cfg: NSAConfig, pos: torch.Tensor) -> torch.Tensor:
+    """[c, n] bool for rows at ascending positions pos [c] over the n = n_cmp(pos[−1]) compressed
+    tokens the chunk can use."""
+    i = torch.arange(cfg.n_cmp(int(pos[-1])), device=pos.device)
     return (i * cfg.cmp_stride + cfg.cmp_len - 1)[None, :] <= pos[:, None]
 
 
-def cmp_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, t0: int, t1: int):
-    """Compressed-branch probabilities of rows [t0, t1): (p [B, c, G, h, n] fp32, allowed [c, n])."""
-    allowed = _cmp_allowed(cfg, t0, t1, q.device)
+def cmp_probs(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, pos: torch.Tensor):
+    """Compressed-branch probabilities of rows at positions pos [c]: (p [B, c, G, h, n] fp32, allowed [c, n])."""
+    allowed = _cmp_allowed(cfg, pos)
     n = allowed.shape[1]
     s = torch.einsum("bqghd,bkgd->bqghk", _grouped(q, cfg), k_cmp[:, :n]) * cfg.scale
     return _softmax_rows(s, allowed[None, :, None, None, :]), allowed
 
 
-def cmp_attention(q, k_cmp, v_cmp, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+def cmp_attention(q, k_cmp, v_cmp, cfg: NSAConfig, start: int = 0, phase: str = routing.PREFILL,
                   want_used: bool = False):
     """Compressed branch. Returns o [B, Sq, H, d_v] (and used [B, Sq, G])."""
-    routing.note(phase, "cmp", "torch")
+    routing.note(phase, "cmp", routing.TORCH)
     B, Sq, H, _ = q.shape
     out = q.new_zeros(B, Sq, H, cfg.d_v)
     used = torch.zeros(B, Sq, cfg.n_kv_heads, dtype=torch.int64, device=q.device)
-    for c0 in range(0, Sq, CHUNK):
-        c1 = min(Sq, c0 + CHUNK)
-        n = cfg.n_cmp(start + c1 - 1)
+    for c0, c1, pos in _chunks(Sq, start, q.device):
+        n = cfg.n_cmp(int(pos[-1]))
         if n == 0:
             continue
-        allowed = _cmp_allowed(cfg, start + c0, start + c1, q.device)
+        allowed = _cmp_allowed(cfg, pos)
         out[:, c0:c1] = _attend(q[:, c0:c1], k_cmp[:, :n], v_cmp[:, :n], allowed, cfg)
         used[:, c0:c1] = allowed.sum(-1)[None, :, None]
     return (out, used) if want_used else out
@@ -95,14 +101,12 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, start: int = 0) -> torch.Tensor:
     """Block selection for rows at start..start+Sq-1: idx [B, Sq, G, n] (int64, -1 padded)."""
     B, Sq = q.shape[:2]
     idx = torch.full((B, Sq, cfg.n_kv_heads, cfg.n_selected), -1, dtype=torch.int64, device=q.device)
-    for c0 in range(0, Sq, CHUNK):
-        c1 = min(Sq, c0 + CHUNK)
-        t0, t1 = start + c0, start + c1
+    for c0, c1, pos in _chunks(Sq, start, q.device):
+        t1 = start + c1
         NB = cfg.n_blocks(t1)
         n = cfg.n_cmp(t1 - 1)
-        pos = torch.arange(t0, t1, device=q.device)
         if n > 0:
-            p, _ = cmp_probs(q[:, c0:c1], k_cmp, cfg, t0, t1)
+            p, _ = cmp_probs(q[:, c0:c1], k_cmp, cfg, pos)
             # a compressed span [i·d, i·d+l) feeds blocks ⌊i·d/l'⌋ .. ⌊(i·d+l−1)/l'⌋
             i = torch.arange(n, device=q.device)
             first = (i * cfg.cmp_stride) // cfg.block_size
@@ -116,20 +120,18 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, start: int = 0) -> torch.Tensor:
     return idx
 
 
-def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = routing.PREFILL,
                   want_used: bool = False):
     """Selected-block attention by gathering the selected tokens (<= t) of each row."""
-    routing.note(phase, "sel", "torch")
+    routing.note(phase, "sel", routing.TORCH)
     idx = idx.long()                  # the Triton scorer gives int32; gather takes int64
     B, Sq, H, _ = q.shape
     G, L = cfg.n_kv_heads, cfg.block_size
     out = q.new_empty(B, Sq, H, cfg.d_v)
     used = torch.zeros(B, Sq, G, dtype=torch.int64, device=q.device)
     kT, vT = k.transpose(1, 2), v.transpose(1, 2)                                # [B, G, S, d]
-    for c0 in range(0, Sq, CHUNK):
-        c1 = min(Sq, c0 + CHUNK)
+    for c0, c1, pos in _chunks(Sq, start, q.device):
         c = c1 - c0
-        pos = torch.arange(start + c0, start + c1, device=q.device)
         ic = idx[:, c0:c1]                                                       # [B, c, G, n]
         tok = ic[..., None] * L + torch.arange(L, device=q.device)              # [B, c, G, n, L]
         valid = (ic[..., None] >= 0) & (tok <= pos[None, :, None, None, None])
@@ -147,20 +149,18 @@ def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = "pr
     return (out, used) if want_used else out
 
 
-def win_attention(q, k, v, cfg: NSAConfig, start: int = 0, phase: str = "prefill",
+def win_attention(q, k, v, cfg: NSAConfig, start: int = 0, phase: str = routing.PREFILL,
                   want_used: bool = False):
     """Sliding-window attention over positions max(0, t−w+1) .. t of each row."""
-    routing.note(phase, "win", "torch")
+    routing.note(phase, "win", routing.TORCH)
     B, Sq, H, _ = q.shape
     out = q.new_empty(B, Sq, H, cfg.d_v)
     used = torch.zeros(B, Sq, cfg.n_kv_heads, dtype=torch.int64, device=q.device)
-    for c0 in range(0, Sq, CHUNK):
-        c1 = min(Sq, c0 + CHUNK)
+    for c0, c1, pos in _chunks(Sq, start, q.device):
         t0, t1 = start + c0, start + c1
         lo = max(0, t0 - cfg.window + 1)
-        pos = torch.arange(t0, t1, device=q.device)[:, None]
         kpos = torch.arange(lo, t1, device=q.device)[None, :]
-        allowed = (kpos <= pos) & (kpos > pos - cfg.window)                     # [c, Sk]
+        allowed = (kpos <= pos[:, None]) & (kpos > pos[:, None] - cfg.window)   # [c, Sk]
         out[:, c0:c1] = _attend(q[:, c0:c1], k[:, lo:t1], v[:, lo:t1], allowed, cfg)
         used[:, c0:c1] = allowed.sum(-1)[None, :, None]
     return (out, used) if want_used else out

@@ -29,6 +29,7 @@ class RunContext:
     commit: str | None = None
     select: str | None = None         # `-k EXPR`: pytest's case selection, passed to every suite
     timeout_s: int | None = None      # `--timeout`: each suite's limit instead of the profile's
+    gpu_name: str | None = None       # the GPU's name, as the run saw it (None: ask torch)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,6 +38,8 @@ class RunContext:
     def device_name(self) -> str | None:
         if self.device != "cuda":
             return None
+        if self.gpu_name:
+            return self.gpu_name
         import torch
         return torch.cuda.get_device_name(self.gpu_index if self.gpu_index is not None else torch.cuda.current_device())
 

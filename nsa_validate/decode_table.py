@@ -49,7 +49,7 @@ TABLE = "decode step: ms, medians of the samples"
 
 def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = None) -> pd.DataFrame:
     """Label ``rows`` per batch size, write CSV and plots under ``extra.dir`` (when set), add the
-    report table and notes to ``extra`` (plugin.SuiteExtra). ``meta`` (``RunContext.run_meta``:
+    report table and notes to ``extra`` (extra.SuiteExtra). ``meta`` (``RunContext.run_meta``:
     run id, GPU, commit, level, dtype) leads every CSV row and titles the plots. Returns the table."""
     for B in sorted({r["B"] for r in rows}):
         roofline.label([r for r in rows if r["B"] == B])
@@ -79,6 +79,29 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
         extra.note(n)
     extra.note("decode.csv columns: " + "; ".join(f"`{k}` {v}" for k, v in COLUMNS.items()))
     return df
+
+
+def summarise(cases, ctx, extra) -> None:
+    """The decode suite's summary (registry): from the bench cases' rows (``metrics["row"]``), the
+    labels, CSV, plots and report table (``finish``) and the headline figures at the largest batch
+    and longest context measured."""
+    rows = [dict(c.metrics["row"]) for c in cases if "row" in (c.metrics or {})]
+    if not rows:
+        return
+    gpu = rows[0].get("gpu") or "CPU (Triton interpreter; timings are host time, noise)"
+    cfg = ctx.profile.suites.decode
+    notes = [f"decode bench on {gpu}: {rows[0].get('config', '')}, {cfg.dtype}", ctx.expect_note()]
+    copy_gbs = rows[0].get("copy_gbs")
+    if copy_gbs:
+        notes.append(f"measured device copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB copy, read + write)")
+    df = finish(rows, extra, notes, meta=ctx.run_meta(dtype=cfg.dtype))
+    top = df[df.B == df.B.max()].sort_values("S").iloc[-1]
+    noise = " (CPU timer: host time, noise)" if top.timer == "cpu" else ""
+    extra.figure("decode step (B, S)", f"{_f(top.step_ms)} ms ({int(top.B)}, {int(top.S)}){noise}")
+    extra.figure("decode % copy bw", _f(top.pct_copy_bw, 1))
+    extra.figure("decode x dense", _f(top.speedup_vs_dense, 2))
+    if top.layer_ms is not None and not math.isnan(top.layer_ms):
+        extra.figure("decode layer step, x dense layer", f"{_f(top.layer_ms)} ms, {_f(top.layer_speedup_vs_dense, 2)}x")
 
 
 DRAM_TABLE = "decode step: DRAM bytes counted by the GPU (ncu) vs the formula"

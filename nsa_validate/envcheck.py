@@ -164,12 +164,12 @@ def check_interpreter(gpu: bool, probe: dict | None, triton_pinned_by_torch: boo
 
 
 def run_interpreter_probe(timeout: float = 180) -> tuple[dict | None, str | None]:
-    """Run ``kernels.interpreter`` in a child process under TRITON_INTERPRET=1 (Triton reads the
-    switch when a kernel is defined, so this process's own kernels are unaffected)."""
+    """Run ``kernels.interpreter`` in a child process set up as a CPU suite's (``interpret.child_env``:
+    Triton reads the switch when a kernel is defined, so this process's own kernels are unaffected)."""
     import json
-    import os
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+
+    from nsa_validate import interpret
+    env = interpret.child_env("cpu")
     try:
         p = subprocess.run([sys.executable, "-m", "kernels.interpreter"], capture_output=True, text=True,
                            timeout=timeout, cwd=REPO_ROOT, env=env)

@@ -64,6 +64,14 @@ def _cell(m: Measured, digits: int = 3) -> str:
     return f"oom ({m.oom[:60]})" if m.oom else _f(m.ms, digits)
 
 
+def summarise(cases, ctx, extra) -> None:
+    """The layer suite's summary (registry): ``finish`` over the bench cases' rows (``metrics["row"]``)."""
+    rows = [Row.from_dict(c.metrics["row"]) for c in cases if "row" in (c.metrics or {})]
+    if rows:
+        finish(rows, extra, device=ctx.device_name or "CPU", meta=ctx.run_meta(dtype=ctx.profile.suites.layer.dtype))
+        extra.note(ctx.expect_note())
+
+
 def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.DataFrame:
     """CSV and plot under ``extra.dir`` (when set), the report tables and notes, the headline.
     ``meta`` (``RunContext.run_meta``) leads every CSV row and titles the plot."""

@@ -10,14 +10,14 @@ import json
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import pytest
 
 from nsa_core import routing
 from nsa_core.routing import DispatchLog
-from nsa_validate import context, evidence, limits, safefs, tolerance
+from nsa_validate import context, evidence, limits, tolerance
 from nsa_validate.context import RunContext
+from nsa_validate.extra import SuiteExtra
 
 
 class Recorder:
@@ -99,44 +99,6 @@ class Recorder:
 
     def assert_ok(self) -> None:
         assert not self._failures, "; ".join(self._failures)
-
-
-class SuiteExtra:
-    """Tables, notes and plots a suite adds to ``report.md`` (``SuiteResult.extra``).
-
-    Saved to ``<out_dir>/extra.json`` at every change, so what a suite measured before dying is
-    kept. Without an ``out_dir`` (a plain ``pytest suites/``) nothing is written.
-    """
-
-    def __init__(self, out_dir: str) -> None:
-        self.dir = Path(out_dir) if out_dir else None
-        self.data: dict = {"tables": {}, "notes": [], "plots": []}
-
-    def row(self, table: str, row: dict) -> None:
-        self.data["tables"].setdefault(table, []).append(row)
-        self._save()
-
-    def note(self, text: str) -> None:
-        self.data["notes"].append(text)
-        self._save()
-
-    def set(self, key: str, value) -> None:
-        """A named result (e.g. the fa2 suite's ``suggest``) for later commands to read."""
-        self.data[key] = value
-        self._save()
-
-    def plot(self, path: str, chart: dict | None = None) -> None:
-        """``path``: relative to the run folder (where report.md is); ``chart``: its data as
-        ``figures.chart`` makes it (``report --embed-plots`` draws it inline)."""
-        self.data["plots"].append(path)
-        if chart is not None:
-            self.data.setdefault("charts", {})[path] = chart
-        self._save()
-
-    def _save(self) -> None:
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            safefs.atomic_write(self.dir / "extra.json", json.dumps(self.data, indent=1, default=str))
 
 
 def profile_cases(params: list, suite: str, field: str, n_args: int) -> list:

@@ -8,6 +8,7 @@ Adding a suite: its file, an entry here (with its config type), and its sizes in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from nsa_core.routing import RoutingPolicy
 from nsa_validate.paths import REPO_ROOT
@@ -94,10 +95,24 @@ class Suite:
     proves: str
     config: type                # its section of a profile: ``profile.suites.<name>``
     timeout_s: int = 1800       # its limit where the profile sets none (suites.timeout_s)
+    # after the suite's process: (its case records, its RunContext, a SuiteExtra) -> the tables,
+    # plots and headline figures the report and the fleet report read (None: the cases' own)
+    summarise: Callable | None = None
 
     @property
     def path(self):
         return REPO_ROOT / "suites" / self.file
+
+
+# summaries import pandas and matplotlib only when a suite has finished (not at every CLI start)
+def _decode_summary(cases, ctx, extra) -> None:
+    from nsa_validate import decode_table
+    decode_table.summarise(cases, ctx, extra)
+
+
+def _layer_summary(cases, ctx, extra) -> None:
+    from nsa_validate import layer_table
+    layer_table.summarise(cases, ctx, extra)
 
 
 SUITES = {s.name: s for s in [
@@ -110,10 +125,11 @@ SUITES = {s.name: s for s in [
     Suite("fa2", "test_fa2.py", "FA-2 varlen (flash_attn, torch varlen_attn) for window/compressed branches vs oracle; "
           "bench", Fa2Cfg),
     Suite("decode", "test_decode.py",
-          "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline", DecodeCfg),
+          "Triton decode step vs the oracle; step time (CUDA graphs), per branch, dense baseline, roofline", DecodeCfg,
+          summarise=_decode_summary),
     Suite("layer", "test_layer.py",
           "the whole NSA layer (prefill fwd, fwd+bwd, peak memory, stage breakdown) vs a dense layer; needle at "
-          "long range", LayerCfg),
+          "long range", LayerCfg, summarise=_layer_summary),
     Suite("counters", "test_counters.py",
           "decode read counters measured from the gathered indices == formula at every step; paper Table 4",
           CountersCfg),

@@ -32,38 +32,15 @@ def md_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 
 def key_figures(res: dict) -> dict:
-    """The headline numbers of a run, where it measured them (also the fleet report's columns)."""
+    """The headline numbers of a run, where it measured them (also the fleet report's columns):
+    the figures each suite declares (``SuiteExtra.figure``), and the fa2 suite's routing suggestion."""
     suites, out = res["suites"], {}
-    for s in suites.values():                           # figures a suite declares (the layer suite)
+    for s in suites.values():
         out.update(((s.get("extra") or {}).get("summary")) or {})
-    for c in (suites.get("decode") or {}).get("cases", []):
-        at = (c.get("metrics") or {}).get("checked_at")
-        if c["id"] == "roofline_table" and at:
-            row = next((x["metrics"].get("row", {}) for x in suites["decode"]["cases"]
-                        if x["id"] == f"bench[B{at['B']}-S{at['S']}]"), {})
-            noise = " (CPU timer: host time, noise)" if row.get("timer") == "cpu" else ""
-            out["decode step (B, S)"] = f"{_num(row.get('step_ms'), 4)} ms ({at['B']}, {at['S']}){noise}"
-            out["decode % copy bw"] = _num(at.get("pct_copy_bw"), 1)
-            out["decode x dense"] = _num(at.get("speedup_vs_dense"), 2)
-            if row.get("layer_ms") is not None:
-                out["decode layer step, x dense layer"] = (f"{_num(row['layer_ms'], 4)} ms, "
-                                                           f"{_num(row.get('layer_speedup_vs_dense'), 2)}x")
-    for c in (suites.get("triton") or {}).get("cases", []):
-        m = c.get("metrics") or {}
-        if c["id"].startswith("bench[") and "sel_fwd" in m:
-            S = c["id"][len("bench[S"):-1]
-            out["sel fwd/bwd ms @" + S] = f"{m['sel_fwd']['median_ms']:.2f} / {m['sel_bwd']['median_ms']:.2f}"
     sug = ((suites.get("fa2") or {}).get("extra") or {}).get("suggest")
     if sug:
         out["FA-2 suggestion"] = ", ".join(f"{k}={v}" for k, v in sug.items())
     return out
-
-
-def _num(x, digits):
-    try:
-        return f"{float(x):.{digits}f}"
-    except (TypeError, ValueError):
-        return ""
 
 
 def _facts_line(res: dict) -> str:
@@ -152,14 +129,6 @@ def render(res: dict, embed_plots: bool = False) -> str:
                 "(where not applied, the case record says why).", ""]
         out += _details(f"{len(parity)} tensors compared" + (f", {bad_rows} in cases that did not pass" if bad_rows
                                                              else ", every case passed"), [md_table(parity)])
-
-    t4 = [c["metrics"] for c in res["suites"].get("counters", {}).get("cases", [])
-          if c["id"].startswith("paper_table4") and "total" in c.get("metrics", {})]
-    if t4:
-        rows = [{"S": m["S"], "cmp": m["measured"]["cmp"], "sel": m["measured"]["sel"], "win": m["measured"]["win"],
-                 "measured total": m["total"], "paper": m["paper"], "dense": m["dense"],
-                 "expected speedup": m["expected_speedup"]} for m in t4]
-        out += ["## Decode reads per step (paper Table 4), measured from gathered indices", "", md_table(rows)]
 
     for n, s in res["suites"].items():
         if (s.get("extra") or {}).get("placement") != "top":

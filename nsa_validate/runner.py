@@ -14,20 +14,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from nsa_validate import interpret
 from nsa_validate.context import RunContext
 from nsa_validate.paths import REPO_ROOT
 from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
-from nsa_validate.registry import Suite
+from nsa_validate.extra import SuiteExtra, merged
+from nsa_validate.registry import SUITES, Suite
 
 
 
 def suite_env(ctx: RunContext) -> dict:
-    """Environment of a suite process: this repo first on the path; on CPU the Triton interpreter."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    if ctx.device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
+    """Environment of a suite process (``interpret.child_env``), and on a shard its one GPU."""
+    env = interpret.child_env(ctx.device)
     if ctx.gpu_index is not None:      # a shard of `oneshot --gpus`: this suite sees one GPU
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         env["CUDA_VISIBLE_DEVICES"] = visible[ctx.gpu_index] if visible else str(ctx.gpu_index)
@@ -136,11 +134,22 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
     total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl")
     if problem:
         cases.append(CaseRecord("suite-process", name, "error", f"{problem}; see logs/{name}.log"))
-    extra_path = run_dir / "suites" / name / "extra.json"
+    out_dir = run_dir / "suites" / name
+    extra_path = out_dir / "extra.json"
     try:
         extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
     except (OSError, ValueError):     # cut short by a process killed while writing it
         extra = {}
+    summarise = SUITES[name].summarise if name in SUITES else None
+    ctx_path = run_dir / "suites" / f"{name}.context.json"
+    if summarise is not None and ctx_path.exists():
+        summary = SuiteExtra(str(out_dir), "summary.json")
+        try:
+            summarise(cases, RunContext.load(ctx_path), summary)
+        except Exception as e:         # a summary that cannot be made is the suite's error, not the run's end
+            cases.append(CaseRecord("summary", name, "error", f"the suite's summary failed: {type(e).__name__}: {e}"))
+            problem = problem or "summary failed"
+        extra = merged(extra, summary.data)
     return SuiteResult(name, suite_status(cases, problem), duration_s, cases, reason=problem,
                        log=f"logs/{name}.log", returncode=returncode, extra=extra)
 

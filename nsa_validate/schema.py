@@ -3,7 +3,7 @@
 A case record:  {id, suite, status: pass|fail|skip|error, reason, params{}, metrics{}, backends{},
                  kernels{}, duration_s, placeholder}
 A suite result: {name, status, duration_s, counts{}, cases[], log, returncode, reason, extra{}}
-                (extra: the suite's tables, notes, plots and their chart data: ``plugin.SuiteExtra``)
+                (extra: the suite's tables, notes, plots and their chart data: ``extra.SuiteExtra``)
 A run:          {schema_version, manifest{}, env{}, profile{}, routing{}, suites{name: suite}, verdict{}}
                 (manifest: run id, commit, command, profile, level, tool version, device, select,
                 timeout, status, started/ended, phases_s, share_gpu and its overlaps)

@@ -17,9 +17,10 @@ back matches the last query and carries a known value: the block holding it must
 the selection branch must return that value. Index or offset bugs that only appear at long range
 fail here; a parity test at 4k cannot see them.
 
-The last case (``layer_table``) writes ``layer.csv``, the plot and the report's "Whole layer"
-section, declares the suite's headline figures, and checks the profile's
-``expect.layer_fwd_speedup_min`` / ``layer_fwdbwd_speedup_min`` at the longest context, B=1.
+The case at the profile's longest B=1 context checks its ``expect.layer_fwd_speedup_min`` /
+``layer_fwdbwd_speedup_min``. Each bench case records its row; the suite's summary
+(``nsa_validate.layer_table.summarise``, run by the harness after the suite) writes ``layer.csv``,
+the plot, the report's "Whole layer" section and the headline figures.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import pytest
 import torch
 
 from nsa_core import NSAAttention, routing
-from nsa_validate import layer_table
 from nsa_validate.bench import layer
 from nsa_validate.context import current
 from nsa_validate.plugin import profile_cases
@@ -40,7 +40,8 @@ DEV = CTX.device
 ROUTING = CFG.routing or CTX.profile.routing       # the profile's, unless its layer section says otherwise
 SHAPES = [layer.Shape(B, S, CFG.d_model, CFG.kv_heads, CFG.heads_per_group, dk, dv, CFG.dtype, CFG.blocks)
           for dk, dv in CFG.head_dims for B, S in CFG.shapes]
-ROWS: list[layer.Row] = []
+# the profile's expectations hold at the longest B=1 context
+CHECKED_S = max((S for B, S in CFG.shapes if B == 1), default=None)
 
 
 def _flops(shape: layer.Shape, dense_dims: tuple[int, int] | None) -> float:
@@ -82,8 +83,16 @@ def test_bench(shape, record, compiled):
             record.metrics[stage] = {"oom": meas.oom}
         else:
             record.timing(stage, meas.timing)
-    ROWS.append(row)
+    record.metrics["row"] = row.to_dict()      # the suite's summary (layer_table.summarise) tabulates the rows
     record.metrics["speedup"] = {"fwd": row.speedup("fwd"), "fwdbwd": row.speedup("fwdbwd")}
+    if shape.B == 1 and shape.S == CHECKED_S and DEV == "cuda":
+        exp, problems = CTX.expect, []
+        for phase, bar in (("fwd", exp.layer_fwd_speedup_min), ("fwdbwd", exp.layer_fwdbwd_speedup_min)):
+            got = row.speedup(phase)
+            if bar is not None and (got is None or got < bar):
+                problems.append(f"{shape.label} {phase}: NSA layer {got if got is None else round(got, 3)}x dense < "
+                                f"{bar}x expected (expect.layer_{phase}_speedup_min)")
+        assert not problems, "; ".join(problems)
 
 
 def _needle_layer(S: int, dtype: torch.dtype):
@@ -138,31 +147,3 @@ def test_needle(record):
     assert torch.allclose(out, payload, atol=0.05, rtol=0.02), (
         f"S={S}: the selection branch returns {out[:4].tolist()}… for the needle's value {payload[:4].tolist()}… "
         f"(max abs error {(out - payload).abs().max():.3g})")
-
-
-def test_layer_table(record, extra):
-    if not ROWS:
-        pytest.skip("no layer row was measured in this session (see the bench cases)")
-    df = layer_table.finish(ROWS, extra, device=torch.cuda.get_device_name() if DEV == "cuda" else "CPU",
-                            meta=CTX.run_meta(dtype=CFG.dtype))
-    record.metrics["rows"] = len(df)
-    exp = CTX.expect
-    extra.note(CTX.expect_note())
-    problems = []
-    # the bars are for the profile's longest B=1 context; a session that did not measure it (a
-    # -k subset) says so rather than hold a shorter row to them
-    longest = max((S for B, S in CFG.shapes if B == 1), default=None)
-    at = [r for r in ROWS if r.shape.B == 1 and r.shape.S == longest]
-    if not at:
-        record.metrics["expectations"] = f"not checked: B=1, S={longest} was not measured in this session"
-    for phase, bar in (("fwd", exp.layer_fwd_speedup_min), ("fwdbwd", exp.layer_fwdbwd_speedup_min)):
-        if bar is None or DEV != "cuda":
-            continue
-        for r in at:
-            got = r.speedup(phase)
-            if got is None or got < bar:
-                problems.append(f"{r.shape.label} {phase}: NSA layer {got if got is None else round(got, 3)}x dense < "
-                                f"{bar}x expected (expect.layer_{phase}_speedup_min)")
-    record.metrics["checked"] = [f"{r.shape.label}: fwd {r.speedup('fwd')}, fwdbwd {r.speedup('fwdbwd')}" for r in ROWS]
-    assert not problems, "; ".join(problems)
-

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels  # noqa: F401  (registers the Triton and FA-2 backends the routing picks)
 from nsa_core import NSAAttention, routing
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import BRANCHES, RoutingPolicy
@@ -109,6 +110,24 @@ class Row:
         nsa = self.nsa_fwd if phase == "fwd" else self.nsa_fwdbwd
         best = self.best_dense(phase)
         return best[1].ms / nsa.ms if best and nsa.ms else None
+
+    def to_dict(self) -> dict:
+        """JSON-able (a case record's ``metrics["row"]``), without the samples and the dispatch log."""
+        m = lambda x: {k: v for k, v in dataclasses.asdict(x).items() if k != "timing"}  # noqa: E731
+        return {"shape": dataclasses.asdict(self.shape), "routes": self.routes,
+                "nsa_fwd": m(self.nsa_fwd), "nsa_fwdbwd": m(self.nsa_fwdbwd),
+                "dense_fwd": {k: m(v) for k, v in self.dense_fwd.items()},
+                "dense_fwdbwd": {k: m(v) for k, v in self.dense_fwdbwd.items()},
+                "dense": {k: dataclasses.asdict(v) for k, v in self.dense.items()},
+                "stages_fwd": {k: m(v) for k, v in self.stages_fwd.items()},
+                "stages_bwd": {k: m(v) for k, v in self.stages_bwd.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Row":
+        ms = lambda x: {k: Measured(**v) for k, v in x.items()}  # noqa: E731
+        return cls(Shape(**d["shape"]), d["routes"], Measured(**d["nsa_fwd"]), Measured(**d["nsa_fwdbwd"]),
+                   ms(d["dense_fwd"]), ms(d["dense_fwdbwd"]), {k: Dense(**v) for k, v in d["dense"].items()},
+                   ms(d["stages_fwd"]), ms(d["stages_bwd"]))
 
 
 # -- the dense layer --------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
             limit = req.timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
             ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
                              select=req.select, timeout_s=limit, run_id=manifest["run_id"],
-                             commit=rundir.commit_label(git))
+                             commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index))
             results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
             listener.suite_finished(name, where, results[name])
 
@@ -177,6 +177,13 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
     for fd in starting.values():
         gpu_share.release(fd)
     return threads
+
+
+def _gpu_name(device: str, gpu_index: int | None) -> str | None:
+    if device != "cuda":
+        return None
+    import torch
+    return torch.cuda.get_device_name(gpu_index or 0)
 
 
 def shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:

@@ -4,7 +4,7 @@ import torch
 
 from nsa_validate import layer_table
 from nsa_validate.bench import layer
-from nsa_validate.plugin import SuiteExtra
+from nsa_validate.extra import SuiteExtra
 
 OOM = "CUDA out of memory. Tried to allocate 96.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
 

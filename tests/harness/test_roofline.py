@@ -39,7 +39,7 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
 
     from nsa_core.config import PAPER
     from nsa_validate import decode_table, report, timing
-    from nsa_validate.plugin import SuiteExtra
+    from nsa_validate.extra import SuiteExtra
     from nsa_validate.schema import CaseRecord, SuiteResult, verdict
 
     def host_bound_step():
@@ -60,7 +60,7 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
     import pandas as pd
     csv = pd.read_csv(tmp_path / "suites" / "decode" / "decode.csv")
     assert list(csv.columns[:5]) == list(meta) and (csv.gpu == meta["gpu"]).all() and len(csv) == 4
-    s = {"decode": SuiteResult("decode", "pass", 1.0, [CaseRecord("roofline_table", "decode", "pass")],
+    s = {"decode": SuiteResult("decode", "pass", 1.0, [CaseRecord("bench[B1-S128]", "decode", "pass")],
                                extra=extra.data)}
     res = {"manifest": {"command": []}, "env": {}, "suites": {n: x.to_dict() for n, x in s.items()},
            "verdict": verdict(s, strict=False)}

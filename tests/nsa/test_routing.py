@@ -56,7 +56,6 @@ def test_compressed_branch_falls_back_to_fa2_when_triton_cannot_run(monkeypatch)
     import torch
     from nsa_core import PAPER, routing
     from nsa_core.routing import RoutingPolicy
-    routing._load_kernels()
     monkeypatch.setitem(routing._IMPLS, ("prefill", "cmp", "fa2:fake"), (lambda **_: None, lambda **_: None))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pol = RoutingPolicy(cmp_triton_min_len=128, fa2_min_len_cmp=256, fa2_backend="fake")

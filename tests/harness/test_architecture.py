@@ -1,0 +1,88 @@
+"""The packages' layering, read from the source: nsa_core (the NSA) < kernels (its fast paths) <
+nsa_validate (the harness) < suites (what it checks). Every import, lazy ones included, points
+down or sideways; no import cycle between modules; the dispatch log imports nothing of the project."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from nsa_validate.paths import REPO_ROOT
+
+LAYERS = ["nsa_core", "kernels", "nsa_validate", "suites"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in LAYERS:
+        for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports (module-level or inside functions)."""
+    got = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+            # ``from pkg import mod`` imports the module; ``from mod import name`` the module holding it
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                got.add(t)
+    return got
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(p, m, set(MODULES)) for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module):
+    up = sorted(t for t in GRAPH[module] if _layer(t) > _layer(module))
+    assert not up, f"{module} imports {up}, a layer above it ({' < '.join(LAYERS)})"
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(GRAPH[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_the_dispatch_log_imports_nothing_of_the_project():
+    assert GRAPH["nsa_core.dispatch"] == set()
+
+
+def test_the_graph_was_read():
+    """The checks above are about something: the known edges are there."""
+    assert "nsa_core.routing" in GRAPH["kernels.routes"] and "nsa_validate.registry" in GRAPH["nsa_validate.profiles"]
