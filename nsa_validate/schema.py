@@ -1,7 +1,8 @@
-"""The one results schema (``results.json``), used by the runner, report, JUnit, compare.
+"""The one results schema (``results.json``), used by the runner, report, JUnit, compare;
+every field is documented in docs/results.md.
 
 A case record:  {id, suite, status: pass|fail|skip|error, reason, params{}, metrics{}, backends{},
-                 kernels{}, duration_s, placeholder}
+                 kernels{}, routes{}, duration_s, placeholder}
 A suite result: {name, status, duration_s, counts{}, cases[], log, returncode, reason, extra{}}
                 (extra: the suite's tables, notes, plots and their chart data: ``extra.SuiteExtra``)
 A run:          {schema_version, manifest{}, env{}, profile{}, routing{}, suites{name: suite}, verdict{}}
