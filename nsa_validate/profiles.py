@@ -23,7 +23,7 @@ import yaml
 from nsa_core.routing import RoutingPolicy
 from nsa_validate.errors import UsageError
 from nsa_validate.paths import PROFILE_DIR
-from nsa_validate.registry import SUITES
+from nsa_validate.registry import SUITES, bad, check_routing, positive
 
 LEVELS = ("quick", "standard", "full")
 DEFAULT_LEVEL = "standard"
@@ -219,94 +219,20 @@ def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
     return prof
 
 
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
-
-
 def check_ranges(prof: Profile) -> None:
     """Values a suite cannot run with are bad input, not NSA failures: UsageError naming the field
-    and what it may be."""
-    from nsa_core.routing import DECODE_BACKENDS, FA2_BACKENDS
-
-    def bad(field_: str, allowed: str, got) -> None:
-        raise UsageError(f"field '{field_}' must be {allowed}, got {got!r}")
-
-    def positive(field_: str, v) -> None:
-        if v is not None and not (v > 0):
-            bad(field_, "> 0", v)
-
-    def positive_list(field_: str, vs) -> None:
-        for i, v in enumerate(vs):
-            positive(f"{field_}[{i}]", v)
-
-    def dtypes(field_: str, vs) -> None:
-        for i, v in enumerate(vs):
-            if v not in DTYPE_NAMES:
-                bad(f"{field_}[{i}]", f"one of {', '.join(DTYPE_NAMES)}", v)
-
-    def pairs(field_: str, vs) -> None:
-        for i, v in enumerate(vs):
-            if len(v) != 2 or not all(x > 0 for x in v):
-                bad(f"{field_}[{i}]", "a pair of numbers > 0", v)
-
+    and what it may be. Each suite's section checks itself (its config type's ``check``)."""
     if prof.device not in ("cuda", "cpu"):
         bad("device", "'cuda' or 'cpu'", prof.device)
-    def routing(where: str, r: RoutingPolicy) -> None:
-        for f in dataclasses.fields(r):
-            if "_min_len" in f.name:
-                v = getattr(r, f.name)
-                if v is not None and v < 0:
-                    bad(f"{where}.{f.name}", "a length >= 0 or null", v)
-        if r.fa2_backend not in FA2_BACKENDS:
-            bad(f"{where}.fa2_backend", f"one of {', '.join(FA2_BACKENDS)}", r.fa2_backend)
-        if r.decode_backend not in DECODE_BACKENDS:
-            bad(f"{where}.decode_backend", f"one of {', '.join(DECODE_BACKENDS)}", r.decode_backend)
-
-    routing("routing", prof.routing)
-    if prof.suites.layer.routing is not None:
-        routing("suites.layer.routing", prof.suites.layer.routing)
+    check_routing("routing", prof.routing)
     su = prof.suites
-    for name, t in su.timeout_s.items():
-        if name not in SUITES:
-            bad(f"suites.timeout_s.{name}", f"a suite name ({', '.join(SUITES)})", name)
-        positive(f"suites.timeout_s.{name}", t)
-    for name, t in su.expected_s.items():
-        if name not in SUITES:
-            bad(f"suites.expected_s.{name}", f"a suite name ({', '.join(SUITES)})", name)
-        positive(f"suites.expected_s.{name}", t)
-    s = su.sanity
-    positive("suites.sanity.batch", s.batch)
-    positive("suites.sanity.seq_len", s.seq_len)
-    if not 0 < s.decode_from < s.seq_len:
-        bad("suites.sanity.decode_from", f"between 1 and seq_len - 1 = {s.seq_len - 1}", s.decode_from)
-    dtypes("suites.sanity.dtypes", s.dtypes)
-    positive("suites.counters.decode_steps", su.counters.decode_steps)
-    positive_list("suites.counters.paper_contexts", su.counters.paper_contexts)
-    for i, b in enumerate(su.counters.backends):
-        if b not in DECODE_BACKENDS:
-            bad(f"suites.counters.backends[{i}]", f"one of {', '.join(DECODE_BACKENDS)}", b)
-    for i, x in enumerate(su.counters.effect_layers):
-        if x not in ("tiny", "paper"):
-            bad(f"suites.counters.effect_layers[{i}]", "'tiny' or 'paper'", x)
-    t = su.triton
-    dtypes("suites.triton.dtypes", t.dtypes)
-    dtypes("suites.triton.module_dtypes", t.module_dtypes or [])
-    pairs("suites.triton.head_dims", t.head_dims)
-    for name in ("heads_per_group", "seq_lens", "long_seq_lens", "bench_seq_lens", "route_seq_lens"):
-        positive_list(f"suites.triton.{name}", getattr(t, name))
-    for name in ("kv_heads", "block_size", "n_selected", "prefill_paper_len", "margin"):
-        positive(f"suites.triton.{name}", getattr(t, name))
-    for i, v in enumerate(t.varlen_lens):
-        if v < 0:
-            bad(f"suites.triton.varlen_lens[{i}]", ">= 0", v)
-    dtypes("suites.fa2.dtypes", su.fa2.dtypes)
-    positive_list("suites.fa2.bench_seq_lens", su.fa2.bench_seq_lens)
-    positive("suites.fa2.margin", su.fa2.margin)
-    d = su.decode
-    positive_list("suites.decode.contexts", d.contexts)
-    positive_list("suites.decode.batches", d.batches)
-    positive_list("suites.decode.effect_contexts", d.effect_contexts)
-    positive_list("suites.decode.bench_contexts", d.bench_contexts or [])
-    dtypes("suites.decode.dtype", [d.dtype])
+    for what in ("timeout_s", "expected_s"):
+        for name, t in getattr(su, what).items():
+            if name not in SUITES:
+                bad(f"suites.{what}.{name}", f"a suite name ({', '.join(SUITES)})", name)
+            positive(f"suites.{what}.{name}", t)
+    for name in SUITES:
+        getattr(su, name).check(f"suites.{name}")
     for where, exp in [("expect", prof.expect)] + [(f"expect_by_device.{k}", e) for k, e in prof.expect_by_device.items()]:
         for f in dataclasses.fields(exp):
             positive(f"{where}.{f.name}", getattr(exp, f.name))
@@ -316,14 +242,6 @@ def check_ranges(prof: Profile) -> None:
     for k in prof.expect_by_device:
         if not k.strip():
             bad("expect_by_device", "keyed by a non-empty part of a GPU's name", k)
-    la = su.layer
-    pairs("suites.layer.shapes", la.shapes)
-    pairs("suites.layer.head_dims", la.head_dims)
-    for name in ("d_model", "kv_heads", "heads_per_group", "budget_ms", "needle_len"):
-        positive(f"suites.layer.{name}", getattr(la, name))
-    if la.blocks not in ("paper", "tiny"):
-        bad("suites.layer.blocks", "'paper' or 'tiny'", la.blocks)
-    dtypes("suites.layer.dtype", [la.dtype])
 
 
 def auto_name(capability: tuple[int, int] | None) -> str:

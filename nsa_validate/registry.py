@@ -10,8 +10,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from nsa_core.routing import RoutingPolicy
+from nsa_core.routing import DECODE_BACKENDS, FA2_BACKENDS, RoutingPolicy
+from nsa_validate.errors import UsageError
 from nsa_validate.paths import REPO_ROOT
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+# -- range checks a config type's ``check(where)`` uses: bad input is one UsageError naming the field
+def bad(field_: str, allowed: str, got) -> None:
+    raise UsageError(f"field '{field_}' must be {allowed}, got {got!r}")
+
+
+def positive(field_: str, v) -> None:
+    if v is not None and not (v > 0):
+        bad(field_, "> 0", v)
+
+
+def positive_list(field_: str, vs) -> None:
+    for i, v in enumerate(vs):
+        positive(f"{field_}[{i}]", v)
+
+
+def dtypes(field_: str, vs) -> None:
+    for i, v in enumerate(vs):
+        if v not in DTYPE_NAMES:
+            bad(f"{field_}[{i}]", f"one of {', '.join(DTYPE_NAMES)}", v)
+
+
+def pairs(field_: str, vs) -> None:
+    for i, v in enumerate(vs):
+        if len(v) != 2 or not all(x > 0 for x in v):
+            bad(f"{field_}[{i}]", "a pair of numbers > 0", v)
+
+
+def one_of(field_: str, v, allowed) -> None:
+    if v not in allowed:
+        bad(field_, "one of " + ", ".join(map(str, allowed)), v)
+
+
+def check_routing(where: str, r: RoutingPolicy) -> None:
+    for name, v in vars(r).items():
+        if "_min_len" in name and v is not None and v < 0:
+            bad(f"{where}.{name}", "a length >= 0 or null", v)
+    one_of(f"{where}.fa2_backend", r.fa2_backend, FA2_BACKENDS)
+    one_of(f"{where}.decode_backend", r.decode_backend, DECODE_BACKENDS)
 
 
 @dataclass
@@ -21,6 +64,13 @@ class SanityCfg:
     decode_from: int = 60          # prefill length before the decode steps
     dtypes: list[str] = field(default_factory=lambda: ["fp32"])
 
+    def check(self, w: str) -> None:
+        positive(f"{w}.batch", self.batch)
+        positive(f"{w}.seq_len", self.seq_len)
+        if not 0 < self.decode_from < self.seq_len:
+            bad(f"{w}.decode_from", f"between 1 and seq_len - 1 = {self.seq_len - 1}", self.decode_from)
+        dtypes(f"{w}.dtypes", self.dtypes)
+
 
 @dataclass
 class CountersCfg:
@@ -29,6 +79,14 @@ class CountersCfg:
     backends: list[str] = field(default_factory=lambda: ["torch"])   # decode paths whose reads are checked
     # layers ("tiny", "paper") whose reads are also measured by effect (suites/read_effect.py)
     effect_layers: list[str] = field(default_factory=lambda: ["tiny", "paper"])
+
+    def check(self, w: str) -> None:
+        positive(f"{w}.decode_steps", self.decode_steps)
+        positive_list(f"{w}.paper_contexts", self.paper_contexts)
+        for i, b in enumerate(self.backends):
+            one_of(f"{w}.backends[{i}]", b, DECODE_BACKENDS)
+        for i, x in enumerate(self.effect_layers):
+            one_of(f"{w}.effect_layers[{i}]", x, ("tiny", "paper"))
 
 
 @dataclass
@@ -50,12 +108,29 @@ class TritonCfg:
     route_seq_lens: list[int] = field(default_factory=list)      # Triton vs torch per routed stage (GPU)
     margin: float = 1.2                                           # speedup a route needs at every longer length
 
+    def check(self, w: str) -> None:
+        dtypes(f"{w}.dtypes", self.dtypes)
+        dtypes(f"{w}.module_dtypes", self.module_dtypes or [])
+        pairs(f"{w}.head_dims", self.head_dims)
+        for name in ("heads_per_group", "seq_lens", "long_seq_lens", "bench_seq_lens", "route_seq_lens"):
+            positive_list(f"{w}.{name}", getattr(self, name))
+        for name in ("kv_heads", "block_size", "n_selected", "prefill_paper_len", "margin"):
+            positive(f"{w}.{name}", getattr(self, name))
+        for i, v in enumerate(self.varlen_lens):
+            if v < 0:
+                bad(f"{w}.varlen_lens[{i}]", ">= 0", v)
+
 
 @dataclass
 class Fa2Cfg:
     dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp16"])
     bench_seq_lens: list[int] = field(default_factory=list)
     margin: float = 1.2
+
+    def check(self, w: str) -> None:
+        dtypes(f"{w}.dtypes", self.dtypes)
+        positive_list(f"{w}.bench_seq_lens", self.bench_seq_lens)
+        positive(f"{w}.margin", self.margin)
 
 
 @dataclass
@@ -70,6 +145,12 @@ class DecodeCfg:
     bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
     # the Nsight Compute DRAM-counter probe (``dram_reads``, ~10 s on an H100: a profiled process)
     dram_counters: bool = True
+
+    def check(self, w: str) -> None:
+        for name in ("contexts", "batches", "effect_contexts"):
+            positive_list(f"{w}.{name}", getattr(self, name))
+        positive_list(f"{w}.bench_contexts", self.bench_contexts or [])
+        dtypes(f"{w}.dtype", [self.dtype])
 
 
 @dataclass
@@ -87,13 +168,24 @@ class LayerCfg:
     needle_len: int | None = None       # the needle case's context (None: the longest shape's S)
     routing: RoutingPolicy | None = None  # the layer's routing; None: the profile's own
 
+    def check(self, w: str) -> None:
+        pairs(f"{w}.shapes", self.shapes)
+        pairs(f"{w}.head_dims", self.head_dims)
+        for name in ("d_model", "kv_heads", "heads_per_group", "budget_ms", "needle_len"):
+            positive(f"{w}.{name}", getattr(self, name))
+        one_of(f"{w}.blocks", self.blocks, ("paper", "tiny"))
+        dtypes(f"{w}.dtype", [self.dtype])
+        if self.routing is not None:
+            check_routing(f"{w}.routing", self.routing)
+
 
 @dataclass(frozen=True)
 class Suite:
     name: str
     file: str                   # under suites/
     proves: str
-    config: type                # its section of a profile: ``profile.suites.<name>``
+    config: type                # its section of a profile (``profile.suites.<name>``): a dataclass
+                                # whose ``check(where)`` raises UsageError on values it cannot run with
     timeout_s: int = 1800       # its limit where the profile sets none (suites.timeout_s)
     # after the suite's process: (its case records, its RunContext, a SuiteExtra) -> the tables,
     # plots and headline figures the report and the fleet report read (None: the cases' own)

@@ -5,9 +5,10 @@ exercised, the key figures (layer vs dense, decode step, selection kernel), what
 the per-suite table; then the details, long tables folded in ``<details>``. ``summary.txt`` is the
 first screen as plain text, for chat tools and CI job summaries.
 
-Suites may contribute tables through their ``extra`` dict: ``{"tables": {title: [row dicts]},
-"plots": [relative paths], "charts": {plot path: chart data}, "notes": [lines]}``; these are
-rendered generically (charts only with ``embed_plots``, as Mermaid: ``figures.mermaid``).
+Suites contribute through their ``extra`` (``extra.SuiteExtra``; docs/results.md): tables, notes
+and plots are rendered generically (charts only with ``embed_plots``, as Mermaid:
+``figures.mermaid``), and the headline figures each suite declares (``summary``) are the key
+figures. Nothing here parses a case id.
 """
 from __future__ import annotations
 
