@@ -321,6 +321,9 @@ def test_terminal_progress_shows_the_running_case_and_an_eta(tmp_path):
     prof = _small_profile(tmp_path)
     p = yaml.safe_load(prof.read_text())
     p["suites"]["expected_s"] = {"sanity": 600}
+    # cases long enough (the fp32 oracle over 4000 tokens: ~1 s each) for the bar to show one running;
+    # at the default size every case takes milliseconds and whether a redraw catches one is luck
+    p["suites"]["sanity"].update(seq_len=4000, decode_from=3990)
     prof.write_text(yaml.safe_dump(p))
     env = dict(os.environ, TTY_COMPATIBLE="1", NO_COLOR="1", COLUMNS="200")
     r = subprocess.run([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", str(prof),
