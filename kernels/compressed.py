@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
 from nsa_core import dispatch
 
 
@@ -295,9 +295,11 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 
 
 # -- launchers -----------------------------------------------------------------------------
-def launch_config(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -> dict:
+def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -> list[dict]:
     """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
-    of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk.
+    of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk. The
+    measured settings first, then smaller ones for a GPU with less shared memory per block
+    (``common.launch_fitting`` runs the first that loads; the smallest: 16 rows, BC 16, one stage).
 
     From a sweep on the H100 at 64k, H=64 (h=16), G=4, bf16: forward 256 rows / BC 64 / 8 warps
     12.3 ms at d=128 and 17.8 ms at d_k=192 (128 rows / 4 warps: 13.4 and 24.8; BC 128 runs out of
@@ -308,14 +310,25 @@ def launch_config(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) ->
     4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
+    bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
-        return {"BT": max(1, (256 if itemsize == 2 else 64) // BH), "BC": 64, "num_warps": 8, "num_stages": 2}
-    if kernel == "dq":           # (fp32 at d_k=192: 128 rows do not fit in shared memory)
+        first = {"BT": bt(256 if itemsize == 2 else 64), "BC": 64, "num_warps": 8, "num_stages": 2}
+        rest = [{"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}]
+    elif kernel == "dq":         # (fp32 at d_k=192: 128 rows do not fit in shared memory)
         big = wide and itemsize == 2
-        return {"BT": max(1, (128 if big else 64) // BH), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}
-    # split_len: a split gets at least this many queries (short sequences are not split)
-    return {"BT": max(1, 64 // BH), "BC": 32 if wide else 64, "NSPLIT": 8, "split_len": 4096,
-            "num_warps": 4, "num_stages": 2}
+        first = {"BT": bt(128 if big else 64), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}
+        rest = []
+    else:                        # split_len: a split gets at least this many queries (short sequences are not split)
+        split = {"NSPLIT": 8, "split_len": 4096}
+        first = {"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}
+        rest = [{"BT": bt(64), "BC": 32, **split, "num_warps": 4, "num_stages": 1}]
+        return _distinct([first, *rest, {"BT": bt(16), "BC": 16, **split, "num_warps": 4, "num_stages": 1}])
+    return _distinct([first, *rest, {"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 1},
+                      {"BT": bt(16), "BC": 16, "num_warps": 4, "num_stages": 1}])
+
+
+def _distinct(configs: list[dict]) -> list[dict]:
+    return [c for i, c in enumerate(configs) if c not in configs[:i]]
 
 
 def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
@@ -372,16 +385,20 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     B = cu_seqlens.numel() - 1
     if T and B and max_seqlen:
         BDK, BDV = pow2(dk), pow2(dv)
-        lc = launch_config("fwd", h, BDK, BDV if with_o else 16, q.element_size())
-        BT, BC = lc.pop("BT"), lc.pop("BC")
         o_arg = out if with_o else lse                   # not touched without WITH_O
-        _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o_arg, lse,
-            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-            o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
-            CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
-            BC=BC, BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
+
+        def launch(lc):
+            BT = lc.pop("BT")
+            _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+                q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o_arg, lse,
+                q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+                o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+                CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
+                BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
+        _, i = launch_fitting(("cmp_fwd", q.device, q.dtype, h, dk, dv, with_o),
+                              launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), launch)
         dispatch.note("kernel", "cmp_fwd", "triton")
+        note_fallback("cmp_fwd", i)
     return out, lse
 
 
@@ -404,15 +421,19 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
-    lc = launch_config("dq", h, BDK, BDV, q.element_size())
-    BT = lc.pop("BT")
-    _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-        q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
-        q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-        o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-        dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
-    if max_cmp:
-        lc = launch_config("dkdv", h, BDK, BDV, q.element_size())
+    key = (q.device, q.dtype, h, d_k, d_v)
+
+    def launch_dq(lc):
+        BT = lc.pop("BT")
+        _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
+            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+            o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
+            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
+    _, i = launch_fitting(("cmp_dq", *key), launch_configs("dq", h, BDK, BDV, q.element_size()), launch_dq)
+    note_fallback("cmp_dq", i)
+
+    def launch_dkdv(lc):
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
         nsplit = max(1, min(nsplit, max_seqlen // split_len))      # short sequences: fewer splits
         NCH = triton.cdiv(max_cmp, BC)
@@ -426,6 +447,9 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         _cmp_dkdv_reduce_kernel[(NCH, G, B)](
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
             DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
+    if max_cmp:
+        _, i = launch_fitting(("cmp_dkdv", *key), launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
+        note_fallback("cmp_dkdv", i)
     dispatch.note("kernel", "cmp_bwd", "triton")
     return dq, dk, dv
 

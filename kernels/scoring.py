@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
@@ -152,9 +152,10 @@ def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int)
     return None
 
 
-def launch_config(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> dict:
+def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list[dict]:
     """BT query tokens per program (the rows of every dot, at least 16) and BB blocks per chunk
-    (at least n: the running top list holds BB).
+    (at least n: the running top list holds BB). The measured settings first, then smaller ones
+    for a GPU with less shared memory per block (``common.launch_fitting`` runs the first that loads).
 
     From a sweep on the H100 at 64k, h=16, G=4, bf16 (BT × BB × warps × stages): d_k=128 BT 64 /
     BB 32 / 4 warps / 3 stages 8.9 ms (2 stages 9.4; 8 warps: 12.9; BT 128: 10.1-10.9; BT 32: 13.4;
@@ -162,11 +163,14 @@ def launch_config(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> dict:
     (padded to 256) BT 128 / 8 warps 15.7 ms (BT 64: 15.9 with 3 stages, 21.2 with 4 warps). The
     kernel that mapped every head onto blocks before summing them took 15.4 and 21.5 ms."""
     BB = max(32, triton.next_power_of_2(n_selected))
+    smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
-        return {"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}
+        return smaller
     if BDK > 128:
-        return {"BT": 128, "BB": BB, "num_warps": 8, "num_stages": 2}
-    return {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3}
+        return [{"BT": 128, "BB": BB, "num_warps": 8, "num_stages": 2},
+                {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2}, *smaller]
+    return [{"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3},
+            {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2}, *smaller]
 
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_len: int, cmp_stride: int,
@@ -214,15 +218,19 @@ class _Launch(torch.autograd.Function):
                 cmp_len, cmp_stride, block_size, n_selected):
         B, dk = cu_seqlens.numel() - 1, q.shape[2]
         BDK = pow2(dk)
-        lc = launch_config(h, BDK, n_selected, q.element_size())
-        BT, BB = lc.pop("BT"), lc.pop("BB")
-        _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, k_cmp, lse, cu_seqlens, cu_cmp, out,
-            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), scale * LOG2E,
-            CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
-            BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
-            PREC=precision(q.dtype), **lc)
+
+        def launch(lc):
+            BT, BB = lc.pop("BT"), lc.pop("BB")
+            _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
+                q, k_cmp, lse, cu_seqlens, cu_cmp, out,
+                q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), lse.stride(0), lse.stride(1),
+                out.stride(0), out.stride(1), scale * LOG2E,
+                CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
+                BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
+                PREC=precision(q.dtype), **lc)
+        _, i = launch_fitting(("select", q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected),
+                              launch_configs(h, BDK, n_selected, q.element_size()), launch)
+        note_fallback("select", i)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
         ctx.mark_non_differentiable(out)
         return out

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
 from nsa_core import dispatch
 
 
@@ -241,8 +241,10 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
 
 
 # -- launchers -----------------------------------------------------------------------------
-def launch_config(kernel: str, BDK: int, BDV: int) -> dict:
-    """num_warps / num_stages per kernel ("fwd", "dq", "dkdv") and padded head dims.
+def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
+    """num_warps / num_stages per kernel ("fwd", "dq", "dkdv") and padded head dims: the measured
+    settings first, then smaller ones for a GPU with less shared memory per block
+    (``common.launch_fitting`` runs the first that loads).
 
     From a sweep on an H200 at 64k, H=64, G=4, d=128, bf16 (warps 2/4/8 x stages 1-4): fwd 2
     warps / 2 stages 15.4 ms (4 warps / 3 stages: 18.0 ms); dq 2/2 best; dk/dv 4 warps, stages
@@ -256,9 +258,10 @@ def launch_config(kernel: str, BDK: int, BDV: int) -> dict:
     # vs 17.2, dq 28-107 ms vs 17.8.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms).
-    if kernel == "dkdv":      # rows: query-head rows per inner step; segment: queries per program
-        return {"num_warps": 8 if wide else 4, "rows": 64, "segment": SEGMENT}
-    return {"num_warps": 4 if wide else 2, "num_stages": 2}
+    if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
+        return [{"num_warps": 8 if wide else 4, "rows": 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
+                {"num_warps": 4, "rows": 16, "num_stages": 1}]
+    return [{"num_warps": 4 if wide else 2, "num_stages": 2}, {"num_warps": 4 if wide else 2, "num_stages": 1}]
 
 
 def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
@@ -309,15 +312,19 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     B = cu.numel() - 1
     if T and B and max_seqlen:
         BDK, BDV = pow2(dk), pow2(dv)
-        _sel_fwd_kernel[(max_seqlen, G, B)](
-            q, k, v, block_idx, cu, out, lse,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            scale * LOG2E,
-            H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
-            BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype),
-            **launch_config("fwd", BDK, BDV))
+
+        def launch(lc):
+            _sel_fwd_kernel[(max_seqlen, G, B)](
+                q, k, v, block_idx, cu, out, lse,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                scale * LOG2E,
+                H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
+                BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype), **lc)
+        _, i = launch_fitting(("sel_fwd", q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
+                              launch)
         dispatch.note("kernel", "sel_fwd", "triton")
+        note_fallback("sel_fwd", i)
     return out, lse
 
 
@@ -399,29 +406,37 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
     BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
-    _sel_dq_kernel[(max_seqlen, G, B)](
-        q, k, v, block_idx, cu, o, do, lse, delta, dq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-        lse.stride(0), lse.stride(1),
-        dq.stride(0), dq.stride(1), scale, scale * LOG2E,
-        H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
-        BH=pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **launch_config("dq", BDK, BDV))
-    cfg_kv = launch_config("dkdv", BDK, BDV)
-    rows, segment = cfg_kv.pop("rows"), cfg_kv.pop("segment")
-    ri = reverse_index(block_idx, cu, block_size, segment)
+    key = (q.device, q.dtype, h, d_k, d_v, block_size)
+
+    def launch_dq(lc):
+        _sel_dq_kernel[(max_seqlen, G, B)](
+            q, k, v, block_idx, cu, o, do, lse, delta, dq,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
+            lse.stride(0), lse.stride(1),
+            dq.stride(0), dq.stride(1), scale, scale * LOG2E,
+            H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
+            BH=pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **lc)
+    _, i = launch_fitting(("sel_dq", *key), launch_configs("dq", BDK, BDV), launch_dq)
+    note_fallback("sel_dq", i)
+    ri = reverse_index(block_idx, cu, block_size, SEGMENT)
     NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
     # fp32 partial sums of every segment; summed in segment order by the reduce kernel
     part_k = torch.empty(NSEG, BN, BDK, device=q.device, dtype=torch.float32)
     part_v = torch.empty(NSEG, BN, BDV, device=q.device, dtype=torch.float32)
     BHB = triton.next_power_of_2(h)
-    _sel_dkdv_kernel[(NSEG,)](
-        q, k, v, cu, do, lse, delta, part_k, part_v,
-        ri["seg_bucket"], ri["seg_lo"], ri["seg_hi"], ri["blk_start"], ri["blk_seq"], ri["qlist"], NBU,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
-        H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, rows // BHB), BN=BN,
-        BDK=BDK, BDV=BDV, PREC=prec, **cfg_kv)
+
+    def launch_dkdv(lc):
+        rows = lc.pop("rows")
+        _sel_dkdv_kernel[(NSEG,)](
+            q, k, v, cu, do, lse, delta, part_k, part_v,
+            ri["seg_bucket"], ri["seg_lo"], ri["seg_hi"], ri["blk_start"], ri["blk_seq"], ri["qlist"], NBU,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+            H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, rows // BHB), BN=BN,
+            BDK=BDK, BDV=BDV, PREC=prec, **lc)
+    _, i = launch_fitting(("sel_dkdv", *key), launch_configs("dkdv", BDK, BDV), launch_dkdv)
+    note_fallback("sel_dkdv", i)
     _sel_dkdv_reduce_kernel[(NBU, G)](
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,

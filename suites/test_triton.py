@@ -314,8 +314,8 @@ def _cmp_oracle_grads(q, kc, vc, lens, ncmp, cfg, do, dtype):
 def _split_dkdv(cmp, monkeypatch):
     """Make the compressed dk/dv split every chunk's queries in 3 runs (``split_len`` cut to 16),
     so the ordered reduce of its partials runs at test sizes."""
-    base = cmp.launch_config
-    monkeypatch.setattr(cmp, "launch_config", lambda k, *a: {**base(k, *a), "NSPLIT": 3, "split_len": 16}
+    base = cmp.launch_configs
+    monkeypatch.setattr(cmp, "launch_configs", lambda k, *a: [{**c, "NSPLIT": 3, "split_len": 16} for c in base(k, *a)]
                         if k == "dkdv" else base(k, *a))
 
 
