@@ -1,9 +1,10 @@
 """The whole NSA layer's decode step on the Triton kernels, with nothing the host must compute.
 
-``NSAAttention.decode`` (the module's API) appends on the host, runs φ only when a compressed
-span completes (an ``if`` on a host integer) and mixes the branches in torch. ``LayerDecodeStep``
-does the same work as device operations of fixed shapes, so a whole layer step (projections,
-append, φ, gate, attention, gated mix, output projection) can be captured in a CUDA graph:
+``NSAAttention.decode`` on the torch route appends on the host, runs φ only when a compressed span
+completes (an ``if`` on a host integer) and mixes the branches in torch. ``LayerDecodeStep`` does
+the same work as device operations of fixed shapes, so a whole layer step (projections, append,
+φ, gate, attention, gated mix, output projection) can be captured in a CUDA graph; it is what
+``NSAAttention.decode`` runs on the Triton route (one per cache, ``kernels.routes.decode_layer``):
 
 * the position lives on the device (``next_t`` [B] int32, advanced by the step itself);
 * φ runs every step over the l tokens ending at t: ``_span_kernel`` gathers them (+ the intra-block
@@ -85,6 +86,7 @@ class LayerDecodeStep:
         self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)      # φ's inputs, written by _span_kernel
         self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
+        self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
         self.last: StepOut | None = None
 
     def seek(self, t: int) -> None:
@@ -92,7 +94,7 @@ class LayerDecodeStep:
         decoded (a device fill and a host integer; no sync). Replaying a captured step after
         ``seek`` inside the captured work decodes the same position every time (the bench)."""
         self.next_t.fill_(t)
-        self.cache.length = t
+        self.cache.length = self.length = t
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +112,7 @@ class LayerDecodeStep:
         c.pos.copy_(t)
         t.add_(1)
         c.length += 1
+        self.length = c.length
         return out
 
     def _compress(self, t: torch.Tensor) -> None:

@@ -176,3 +176,24 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
 
 
 routing.register(routing.DECODE, "step", routing.TRITON, decode_step, triton_unavailable)
+
+
+def decode_layer(m, x, cache):
+    """The whole layer's decode step for x [B, 1, D], token t = cache.length -> (out [B, 1, D],
+    {branch: reads [B, G] int64}, idx [B, G, n] int64) on ``LayerDecodeStep`` (position on the
+    device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
+    written elsewhere since its last step (a prefill, the torch route) is picked up where it is."""
+    key = (routing.TRITON, "layer")
+    held = cache.kernel_state.get(key)
+    if held is None or held[0] is not m:
+        from kernels.decode_layer import LayerDecodeStep
+        held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache))
+    step = held[1]
+    if step.length != cache.length:
+        step.seek(cache.length)
+    out = step(x)
+    r = step.last
+    return out, {br: n.long() for br, n in r.reads.items()}, r.idx.long()
+
+
+routing.register(routing.DECODE, "layer", routing.TRITON, decode_layer, triton_unavailable)

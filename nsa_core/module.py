@@ -214,11 +214,20 @@ class NSAAttention(nn.Module):
         """One decode step: x [B, 1, D] is token t = cache.length. Appends it to the cache and
         returns (o_t [B, 1, D], exactly row t of a prefill over tokens 0..t, and the step's
         ``StepInfo``: what each branch read and the blocks it selected). On the Triton route the
-        step's plan and buffers are set up once per cache (``cache.kernel_state``) and the
-        position is read on the device (``cache.pos``)."""
+        whole step (projections, append, φ, gate, attention, mix, output projection) is one
+        fixed-shape device step set up once per cache (``kernels/decode_layer.py``): the position
+        lives on the device and the step can be captured in a CUDA graph. With ``only`` the
+        Triton route runs that branch's kernels alone and the rest on the host."""
         cfg = self.cfg
-        q, k, v = self.project(x)
         t = cache.length
+        route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
+        if route.backend != routing.TORCH and only is None:
+            impl, _ = routing.lookup(routing.DECODE, "layer", route.backend)
+            if impl is not None:
+                with routing.profiler_range(routing.DECODE, "step"):
+                    out, reads, idx = impl(m=self, x=x, cache=cache)
+                return out, StepInfo(reads, idx)
+        q, k, v = self.project(x)
         span = cache.append(k, v)
         if span is not None:
             i = (span[0]) // cfg.cmp_stride
@@ -226,7 +235,6 @@ class NSAAttention(nn.Module):
             cache.v_cmp[:, i:i + 1] = self.cmp_v(cache.v[:, span[0]:span[1]])
         g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
-        route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
         if route.backend != routing.TORCH:      # one fused step for the three branches (kernels/decode.py)
             impl, _ = routing.lookup(routing.DECODE, "step", route.backend)
             with routing.profiler_range(routing.DECODE, "step"):

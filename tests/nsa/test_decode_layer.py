@@ -1,10 +1,12 @@
 """kernels.decode_layer.LayerDecodeStep (the whole layer's decode step as device operations of
-fixed shapes) gives what NSAAttention.decode gives, step after step, across compressed-span
-completions, from a prefilled and from an empty cache."""
+fixed shapes) gives what NSAAttention.decode gives on the torch route, step after step, across
+compressed-span completions, from a prefilled and from an empty cache; and NSAAttention.decode on
+the Triton route (which runs a LayerDecodeStep per cache) gives the same, with the same reads and
+blocks in its StepInfo."""
 import pytest
 import torch
 
-from nsa_core import DecodeCache, NSAAttention, tiny
+from nsa_core import DecodeCache, NSAAttention, routing, tiny
 from nsa_core.routing import RoutingPolicy
 
 pytest.importorskip("triton")
@@ -26,19 +28,30 @@ def test_layer_step_equals_module_decode(prefill, phi):
     from kernels.decode_layer import LayerDecodeStep
     torch.manual_seed(4)
     m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
+    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)                # the same weights on the torch route
+    ref.load_state_dict(m.state_dict())
     steps = 2 * CFG.cmp_len + 3                                    # several spans complete
     x = torch.randn(2, prefill + steps, CFG.d_model, device=DEV)
-    ref_cache, cache = (DecodeCache(CFG, 2, prefill + steps, device=DEV) for _ in range(2))
+    ref_cache, cache, mod_cache = (DecodeCache(CFG, 2, prefill + steps, device=DEV) for _ in range(3))
     with torch.no_grad():
         if prefill:
-            m(x[:, :prefill], cache=ref_cache)
-            m(x[:, :prefill], cache=cache)
+            for c in (ref_cache, cache, mod_cache):
+                m(x[:, :prefill], cache=c)
         step = LayerDecodeStep(m, cache)
         for t in range(prefill, prefill + steps):
-            want, info = m.decode(x[:, t:t + 1], ref_cache)
+            with routing.capture() as log:
+                want, info = ref.decode(x[:, t:t + 1], ref_cache)
+            assert log.backends("decode") == {br: ["torch"] for br in ("cmp", "sel", "win")}
             got = step(x[:, t:t + 1])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
             assert torch.equal(step.last.idx.long(), info.idx), f"t={t}: selected blocks differ"
+            with routing.capture() as log:
+                got_m, info_m = m.decode(x[:, t:t + 1], mod_cache)
+            assert log.backends("decode") == {br: ["triton"] for br in ("cmp", "sel", "win")}
+            torch.testing.assert_close(got_m, want, rtol=1e-5, atol=1e-5, msg=f"t={t} (module, Triton route)")
+            assert torch.equal(info_m.idx, info.idx), f"t={t}: the module's selected blocks differ"
+            assert all(torch.equal(info_m.reads[br], info.reads[br]) for br in info.reads), f"t={t}: reads differ"
+    assert mod_cache.length == cache.length
     assert cache.length == ref_cache.length and int(cache.pos[0]) == prefill + steps - 1
     n = CFG.n_cmp_total(prefill + steps)
     torch.testing.assert_close(cache.k_cmp[:, :n], ref_cache.k_cmp[:, :n], rtol=1e-6, atol=1e-6)
