@@ -59,6 +59,28 @@ def _tile_rows(t0, seq_len, g, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.c
 
 
 @triton.jit
+def _program_tile(CU, CUC, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """A (token tile, KV head, sequence) program's rows: (g, the tile's first token t0 in its
+    sequence, the sequence's length, its first compressed token and compressed length, and per row
+    of the tile: position in the sequence, query head, valid, packed row t (int64)). The caller acts
+    only where t0 < the length."""
+    g = tl.program_id(1)
+    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
+    t0 = tl.program_id(0) * BT
+    t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
+    return g, t0, seq_len, cbos, n_seq, t_rel, head, ok, (bos + t_rel).to(tl.int64)
+
+
+@triton.jit
+def _chunk_bounds(t0, seq_len, n_seq, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BT: tl.constexpr,
+                  BC: tl.constexpr):
+    """(n_full, n_hi): the compressed tokens the tile's first token sees, cut to whole chunks of BC
+    (every row sees those whole: no mask), and those its last token sees (the loop's end)."""
+    n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
+    return tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC, n_hi
+
+
+@triton.jit
 def _load_2d(P, base, ok, D: tl.constexpr, BD: tl.constexpr):
     """Row r of the result is P[base[r] : base[r] + D], zero past D and where ``ok`` is False: [rows, BD]."""
     offs = tl.arange(0, BD)
@@ -119,16 +141,10 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
                     WITH_O: tl.constexpr):
     """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
     block scoring when the compressed branch itself ran elsewhere)."""
-    g = tl.program_id(1)
-    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
-    t0 = tl.program_id(0) * BT
+    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
-        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
-        t = (bos + t_rel).to(tl.int64)
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
-        n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
-        # chunks below the tile's first token's horizon are seen whole by every row
-        n_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC
+        n_full, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, BT, BC)
         m_i = tl.full([BT * BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BT * BH], tl.float32)
         acc = tl.zeros([BT * BH, BDV], tl.float32)
@@ -172,12 +188,8 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
-    g = tl.program_id(1)
-    bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
-    t0 = tl.program_id(0) * BT
+    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
-        t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
-        t = (bos + t_rel).to(tl.int64)
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
         do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
         o = _load_2d(O, t * sot + head * soh, ok, DV, BDV)
@@ -185,8 +197,7 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
-        n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
-        n_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC    # seen whole by every row
+        n_full, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, BT, BC)
         dq = tl.zeros([BT * BH, BDK], tl.float32)
         for c0 in range(0, n_full, BC):
             dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,

@@ -39,6 +39,20 @@ from nsa_core import dispatch
 
 # -- kernels -------------------------------------------------------------------------------
 @triton.jit
+def _program_token(CU, H_PER_G: tl.constexpr, BH: tl.constexpr):
+    """A (token, KV head, sequence) program's query token and heads: (t_rel in its sequence, the
+    sequence's length, t the packed row (int64), the sequence's first row, g, the group's query
+    heads [BH], which of them exist [BH]). The caller acts only where t_rel < the length."""
+    t_rel = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    bos = tl.load(CU + b)
+    seq_len = tl.load(CU + b + 1) - bos
+    rows = tl.arange(0, BH)
+    return t_rel, seq_len, (bos + t_rel).to(tl.int64), bos, g, g * H_PER_G + rows, rows < H_PER_G
+
+
+@triton.jit
 def _load_rows(P, t, heads, row_ok, st, sh, D: tl.constexpr, BD: tl.constexpr):
     """The h head rows of token t: [BH, BD] (zero past the group's heads and past D)."""
     offs = tl.arange(0, BD)
@@ -74,16 +88,8 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                     PREC: tl.constexpr):
-    t_rel = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
+    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
     if t_rel < seq_len:
-        t = (bos + t_rel).to(tl.int64)
-        rows = tl.arange(0, BH)
-        row_ok = rows < H_PER_G
-        heads = g * H_PER_G + rows
         offs_dv = tl.arange(0, BDV)
         q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
         m_i = tl.full([BH], float("-inf"), tl.float32)
@@ -118,16 +124,8 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
                    DK: tl.constexpr, DV: tl.constexpr,
                    BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                    PREC: tl.constexpr):
-    t_rel = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2)
-    bos = tl.load(CU + b)
-    seq_len = tl.load(CU + b + 1) - bos
+    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
     if t_rel < seq_len:
-        t = (bos + t_rel).to(tl.int64)
-        rows = tl.arange(0, BH)
-        row_ok = rows < H_PER_G
-        heads = g * H_PER_G + rows
         offs_dk = tl.arange(0, BDK)
         q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
         do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
