@@ -10,7 +10,8 @@ compared", never as missing. Regression rules, within those suites:
 - correctness: a case that passed in the baseline and now fails, errors or skips (a kernel that
   stopped running is a regression, not a pass); a baseline case that is gone; a case that fails
   now and did not exist then. Placeholder cases (no sizes in the profile, suite not run) are not
-  cases and are never compared.
+  cases and are never compared; a case this tool no longer has (``RETIRED``, with where its
+  checks went) is reported as retired, not missing, so older baselines stay usable.
 - timing: a timing the baseline measured that the run no longer measures; a median slowed by
   more than ``max_regression_pct`` AND a p20–p80 band wholly above the baseline's (the recorded
   sample spread is the noise: a slowdown inside it is reported as "within noise", never as a
@@ -27,6 +28,14 @@ from pathlib import Path
 
 from nsa_validate.errors import UsageError
 from nsa_validate.schema import load_results, read_json, run_level
+
+# cases earlier versions of the suites had, and where their checks are now
+RETIRED = {
+    "decode/roofline_table": "its expectations are checked by the bench case at the largest batch and longest "
+                             "context; its table is the suite's summary",
+    "layer/layer_table": "its expectations are checked by the bench case at the longest B=1 context; its table "
+                         "is the suite's summary",
+}
 
 BASELINE_VERSION = 2
 DEFAULT_MAX_REGRESSION_PCT = 10.0
@@ -206,7 +215,9 @@ def compare(run: dict, base: dict, max_regression_pct: float = DEFAULT_MAX_REGRE
         if not compared(case):
             continue
         now = run["cases"].get(case, "missing")
-        if was == "pass" and now != "pass":
+        if now == "missing" and case in RETIRED:
+            row(case, was, "retired", RETIRED[case], "retired")
+        elif was == "pass" and now != "pass":
             row(case, was, now, "", "regression")
         elif now == "missing":
             row(case, was, now, "", "regression")

@@ -219,6 +219,21 @@ def test_a_case_gone_from_a_suite_that_ran_is_a_regression(tmp_path):
     assert "decode/parity[S65536]: pass -> missing" in out["regressions"]
 
 
+def test_a_retired_case_in_an_older_baseline_is_not_a_regression(tmp_path):
+    """Baselines saved before the decode suite's table case became its summary still gate the rest."""
+    a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
+    res = json.loads((a / "results.json").read_text())
+    res["suites"]["decode"]["cases"].append({"id": "roofline_table", "suite": "decode", "status": "pass"})
+    (a / "results.json").write_text(json.dumps(res))
+    r = cli("compare", str(b), "--baseline", str(a), "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["regressions"] == [], out
+    row = next(x for x in out["rows"] if x["metric"] == "decode/roofline_table")
+    assert row["verdict"] == "retired" and row["run"] == "retired" and "bench case" in row["change"]
+    _drop(b, "decode", "parity[S65536]")                  # a case that is not retired still gates
+    assert cli("compare", str(b), "--baseline", str(a)).returncode == 1
+
+
 def test_suites_the_run_did_not_select_are_not_compared(tmp_path):
     a, b = make_run(tmp_path, "a"), make_run(tmp_path, "b")
     res = json.loads((b / "results.json").read_text())
