@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nsa_core import NSAAttention, reference, routing
+from nsa_core import NSAAttention, reference
 from nsa_core.config import NSAConfig
 from nsa_core.routing import RoutingPolicy
 from nsa_validate import evidence, thresholds, timing
