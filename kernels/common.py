@@ -3,6 +3,8 @@ padded tile sizes, the ``tl.dot`` precision per input dtype, and launching with 
 settings the GPU at hand can load (``launch_fitting``)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
@@ -40,11 +42,14 @@ _FITS: dict[tuple, int] = {}           # (kernel, device, specialisation) -> the
 _FORCED: list[int] = []                # tests: start from this index (``forced_config``)
 
 
-def launch_fitting(key: tuple, configs: list[dict], launch):
+def launch_fitting(kernel: str, spec: tuple, configs: list[dict], launch):
     """``launch(config)`` with the first of ``configs`` (a copy) that this GPU loads, remembered
-    per ``key``; the last one's OutOfResources propagates. Returns (launch's result, the index)."""
-    start = _FORCED[-1] if _FORCED else _FITS.get(key, 0)
-    for i in range(min(start, len(configs) - 1), len(configs)):
+    per (kernel, spec: device and specialisation); the last one's OutOfResources propagates. A
+    launch that needed smaller settings than the measured ones shows in the dispatch log
+    (``kernel/<kernel>@settings<i>``), and so in routing.json. Returns what ``launch`` returned."""
+    key = (kernel, *spec)
+    start = min(_FORCED[-1] if _FORCED else _FITS.get(key, 0), len(configs) - 1)
+    for i in range(start, len(configs)):
         try:
             out = launch(dict(configs[i]))
         except OutOfResources:
@@ -52,27 +57,17 @@ def launch_fitting(key: tuple, configs: list[dict], launch):
                 raise
             continue
         _FITS[key] = i
-        return out, i
-    raise AssertionError("unreachable")
+        if i:
+            dispatch.note("kernel", f"{kernel}@settings{i}", "triton")
+        return out
 
 
-def note_fallback(kernel: str, index: int) -> None:
-    """A launch that needed smaller settings than the measured ones shows in the dispatch log
-    (``kernel/<name>@settings<i>``), and so in routing.json."""
-    if index:
-        dispatch.note("kernel", f"{kernel}@settings{index}", "triton")
-
-
-class forced_config:
+@contextmanager
+def forced_config(index: int):
     """``with forced_config(i):`` launches start from settings i (so a test on any machine runs
     the smaller settings a smaller GPU would)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __enter__(self) -> None:
-        _FORCED.append(self.index)
-
-    def __exit__(self, *exc) -> None:
+    _FORCED.append(index)
+    try:
+        yield
+    finally:
         _FORCED.pop()
-

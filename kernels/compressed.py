@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, pow2, precision
 from nsa_core import dispatch
 
 
@@ -323,23 +323,19 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
-        first = {"BT": bt(256 if itemsize == 2 else 64), "BC": 64, "num_warps": 8, "num_stages": 2}
-        rest = [{"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}]
+        split = {}
+        measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
+                    {"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}] if itemsize == 2 else \
+                   [{"BT": bt(64), "BC": 64, "num_warps": 8, "num_stages": 2}]
     elif kernel == "dq":         # (fp32 at d_k=192: 128 rows do not fit in shared memory)
+        split = {}
         big = wide and itemsize == 2
-        first = {"BT": bt(128 if big else 64), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}
-        rest = []
+        measured = [{"BT": bt(128 if big else 64), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}]
     else:                        # split_len: a split gets at least this many queries (short sequences are not split)
         split = {"NSPLIT": 8, "split_len": 4096}
-        first = {"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}
-        rest = [{"BT": bt(64), "BC": 32, **split, "num_warps": 4, "num_stages": 1}]
-        return _distinct([first, *rest, {"BT": bt(16), "BC": 16, **split, "num_warps": 4, "num_stages": 1}])
-    return _distinct([first, *rest, {"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 1},
-                      {"BT": bt(16), "BC": 16, "num_warps": 4, "num_stages": 1}])
-
-
-def _distinct(configs: list[dict]) -> list[dict]:
-    return [c for i, c in enumerate(configs) if c not in configs[:i]]
+        measured = [{"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}]
+    smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
+    return [c for i, c in enumerate(measured + smaller) if c not in (measured + smaller)[:i]]
 
 
 def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
@@ -406,10 +402,9 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
                 o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
                 BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
-        _, i = launch_fitting(("cmp_fwd", q.device, q.dtype, h, dk, dv, with_o),
+        launch_fitting("cmp_fwd", (q.device, q.dtype, h, dk, dv, with_o),
                               launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), launch)
         dispatch.note("kernel", "cmp_fwd", "triton")
-        note_fallback("cmp_fwd", i)
     return out, lse
 
 
@@ -432,7 +427,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
-    key = (q.device, q.dtype, h, d_k, d_v)
+    spec = (q.device, q.dtype, h, d_k, d_v)
 
     def launch_dq(lc):
         BT = lc.pop("BT")
@@ -441,8 +436,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
             dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
-    _, i = launch_fitting(("cmp_dq", *key), launch_configs("dq", h, BDK, BDV, q.element_size()), launch_dq)
-    note_fallback("cmp_dq", i)
+    launch_fitting("cmp_dq", spec, launch_configs("dq", h, BDK, BDV, q.element_size()), launch_dq)
 
     def launch_dkdv(lc):
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
@@ -459,8 +453,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
             DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
     if max_cmp:
-        _, i = launch_fitting(("cmp_dkdv", *key), launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
-        note_fallback("cmp_dkdv", i)
+        launch_fitting("cmp_dkdv", spec, launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
     dispatch.note("kernel", "cmp_bwd", "triton")
     return dq, dk, dv
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, pow2, precision
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_2d, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
@@ -228,9 +228,8 @@ class _Launch(torch.autograd.Function):
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
                 BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
                 PREC=precision(q.dtype), **lc)
-        _, i = launch_fitting(("select", q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected),
+        launch_fitting("select", (q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected),
                               launch_configs(h, BDK, n_selected, q.element_size()), launch)
-        note_fallback("select", i)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
         ctx.mark_non_differentiable(out)
         return out

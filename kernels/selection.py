@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, launch_fitting, note_fallback, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, launch_fitting, pow2, precision
 from nsa_core import dispatch
 
 
@@ -319,10 +319,9 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
                 scale * LOG2E,
                 H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
                 BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype), **lc)
-        _, i = launch_fitting(("sel_fwd", q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
+        launch_fitting("sel_fwd", (q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
                               launch)
         dispatch.note("kernel", "sel_fwd", "triton")
-        note_fallback("sel_fwd", i)
     return out, lse
 
 
@@ -404,7 +403,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
     BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
-    key = (q.device, q.dtype, h, d_k, d_v, block_size)
+    spec = (q.device, q.dtype, h, d_k, d_v, block_size)
 
     def launch_dq(lc):
         _sel_dq_kernel[(max_seqlen, G, B)](
@@ -415,8 +414,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
             dq.stride(0), dq.stride(1), scale, scale * LOG2E,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
             BH=pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **lc)
-    _, i = launch_fitting(("sel_dq", *key), launch_configs("dq", BDK, BDV), launch_dq)
-    note_fallback("sel_dq", i)
+    launch_fitting("sel_dq", spec, launch_configs("dq", BDK, BDV), launch_dq)
     ri = reverse_index(block_idx, cu, block_size, SEGMENT)
     NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
     # fp32 partial sums of every segment; summed in segment order by the reduce kernel
@@ -433,8 +431,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, rows // BHB), BN=BN,
             BDK=BDK, BDV=BDV, PREC=prec, **lc)
-    _, i = launch_fitting(("sel_dkdv", *key), launch_configs("dkdv", BDK, BDV), launch_dkdv)
-    note_fallback("sel_dkdv", i)
+    launch_fitting("sel_dkdv", spec, launch_configs("dkdv", BDK, BDV), launch_dkdv)
     _sel_dkdv_reduce_kernel[(NBU, G)](
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,

@@ -221,12 +221,11 @@ class NSAAttention(nn.Module):
         cfg = self.cfg
         t = cache.length
         route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
-        if route.backend != routing.TORCH and only is None:
+        if route.backend != routing.TORCH and only is None:    # the backend registers "layer" beside "step"
             impl, _ = routing.lookup(routing.DECODE, "layer", route.backend)
-            if impl is not None:
-                with routing.profiler_range(routing.DECODE, "step"):
-                    out, reads, idx = impl(m=self, x=x, cache=cache)
-                return out, StepInfo(reads, idx)
+            with routing.profiler_range(routing.DECODE, "step"):
+                out, reads, idx = impl(m=self, x=x, cache=cache)
+            return out, StepInfo(reads, idx)
         q, k, v = self.project(x)
         span = cache.append(k, v)
         if span is not None:

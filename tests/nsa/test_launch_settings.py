@@ -70,10 +70,13 @@ def test_launch_fitting_moves_past_out_of_resources_only():
             raise common.OutOfResources(cfg["n"] * 1000, 500, "shared memory")
         return cfg["n"] * 10
     configs = [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}]
-    assert common.launch_fitting(("t", 1), configs, launch) == (20, 2) and tried == [0, 1, 2]
+    from nsa_core import routing
+    with routing.capture() as log:
+        assert common.launch_fitting("t", (1,), configs, launch) == 20 and tried == [0, 1, 2]
+    assert log.ran("kernel", "t@settings2", "triton") == 1              # the fallback is on record
     tried.clear()
-    assert common.launch_fitting(("t", 1), configs, launch) == (20, 2) and tried == [2]     # remembered
+    assert common.launch_fitting("t", (1,), configs, launch) == 20 and tried == [2]      # remembered
     with pytest.raises(common.OutOfResources):
-        common.launch_fitting(("t", 2), [{"n": 0}, {"n": 1}], launch)                    # none fits
+        common.launch_fitting("t", (2,), [{"n": 0}, {"n": 1}], launch)                 # none fits
     with pytest.raises(ValueError):
-        common.launch_fitting(("t", 3), configs, lambda cfg: (_ for _ in ()).throw(ValueError("bug")))
+        common.launch_fitting("t", (3,), configs, lambda cfg: (_ for _ in ()).throw(ValueError("bug")))
