@@ -6,7 +6,7 @@ position is a device tensor; no shape depends on it):
 
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
-   partial (max, sum, acc). For selection it also writes, per tile of BN compressed tokens and
+   partial (max, sum, acc). For selection it also writes, per tile of BNC compressed tokens and
    head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
    spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
    themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer).
@@ -42,24 +42,36 @@ import triton.language as tl
 from kernels.common import LOG2E
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
-# launch configuration (H100-tuned; see the decode suite's bench)
+# launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
+# B=16 / B=1, ms): partial programs of 4 warps (8: 0.171-0.185 vs 0.136-0.138 at B=16), 2 stages
+# (3 stages hold one program per SM: 0.137-0.160); compressed tiles of 64 tokens (32: 0.137-0.165,
+# 16: 0.156-0.197 at B=16); merge programs of 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
-MAX_TILES = 8                  # tiles one partial program walks at most
+MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
-MERGE_COLS = 32                # d_v columns one merge program covers
+MERGE_COLS = 8                 # d_v columns one merge program covers
+CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
 
 
 @triton.jit
-def _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-          DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr):
+def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+          DK: tl.constexpr, DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+          PREC: tl.constexpr, WANT_V: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [BH], [BH], [BH, BDV] with one tile of keys.
-    kp/vp [BN] row pointers; valid [BN]. Returns the new state, and p = exp2(s − m) [BH, BN] with
-    the running max m [BH] it is relative to (s: the tile's scores in log2 units; p = 0 where not
-    valid)."""
-    k = tl.load(kp[:, None] + offs_dk[None, :], mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
+    qa [BH, BDA] / qb [BH, BDB]: the query's first BDA columns and the rest (d_k = 192 is 128 + 64:
+    no tile padded to 256, so a program's K stages take 3/4 of the shared memory and more programs
+    fit on an SM); kp/vp [BN] row pointers; valid [BN]. Returns the new state, and p = exp2(s − m)
+    [BH, BN] with the running max m [BH] it is relative to (s: the tile's scores in log2 units;
+    p = 0 where not valid)."""
+    offs_a = tl.arange(0, BDA)
+    k = tl.load(kp[:, None] + offs_a[None, :], mask=valid[:, None] & (offs_a[None, :] < DK), other=0.0)
+    s = tl.dot(qa, tl.trans(k), input_precision=PREC)
+    if BDB > 0:
+        offs_b = BDA + tl.arange(0, BDB)
+        kb = tl.load(kp[:, None] + offs_b[None, :], mask=valid[:, None] & (offs_b[None, :] < DK), other=0.0)
+        s += tl.dot(qb, tl.trans(kb), input_precision=PREC)
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # no key yet: keep exp2 finite
     p = tl.exp2(s - m_safe[:, None])
@@ -81,8 +93,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
                     CMP_TILES: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
                     NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr, NBT_P: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr,
-                    BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr):
+                    BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+                    BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     b = bg // G
@@ -90,10 +102,14 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
     t = tl.load(POS + b)
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
-    offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    q = tl.load(Q + b * sqb + (g * H_PER_G + rows)[:, None] * sqh + offs_dk[None, :],
-                mask=(rows[:, None] < H_PER_G) & (offs_dk[None, :] < DK), other=0.0)
+    q_row = Q + b * sqb + (g * H_PER_G + rows)[:, None] * sqh
+    offs_a = tl.arange(0, BDA)
+    qa = tl.load(q_row + offs_a[None, :], mask=(rows[:, None] < H_PER_G) & (offs_a[None, :] < DK), other=0.0)
+    qb = qa                                                          # unused unless BDB > 0
+    if BDB > 0:
+        offs_b = BDA + tl.arange(0, BDB)
+        qb = tl.load(q_row + offs_b[None, :], mask=(rows[:, None] < H_PER_G) & (offs_b[None, :] < DK), other=0.0)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BDV], tl.float32)
@@ -106,8 +122,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = kpos < n_cmp
             kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
             vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
-            m_i, l_i, acc, p, m_run = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                            DK, DV, PREC, WANT_V)
+            m_i, l_i, acc, p, m_run = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+                                            DK, DV, BDA, BDB, PREC, WANT_V)
             if WRITE_SCORES:
                 # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1; token i's span
                 # [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. The sums
@@ -131,8 +147,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = kpos <= t
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            m_i, l_i, acc, _, _ = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                        DK, DV, PREC, True)
+            m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+                                        DK, DV, BDA, BDB, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
     else:
         for ti in tl.range(SEL_TILES, num_stages=STAGES):
@@ -144,8 +160,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
             valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            m_i, l_i, acc, _, _ = _tile(q, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dk, offs_dv,
-                                        DK, DV, PREC, True)
+            m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+                                        DK, DV, BDA, BDB, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
     out = (bg * NC + c).to(tl.int64)
     tl.store(PM + out * BH + rows, m_i)
@@ -295,7 +311,8 @@ def _append_kernel(K, V, KN, VN, POS, skb, skt, svb, svt, G: tl.constexpr, DK: t
 def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm: int) -> int:
     """Tiles one program walks (a power of two, at most MAX_TILES): as many as keep at least one
     program per SM in the launch (fewer chunks: fewer partials written and merged; an H100 sweep at
-    B=16, 64k: 8 tiles 0.142 ms vs 0.154 ms at 4/1/1)."""
+    B=16, 64k, d_k split 128 + 64: at most 16 tiles 0.1315 ms, 8 tiles 0.1342 ms; before the split,
+    8 tiles 0.1381 ms, 4 tiles 0.1475 ms)."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2
@@ -313,9 +330,11 @@ class Plan:
     n_max: int                 # compressed cache entries
     n_sel: int                 # selection slots n
     nbp: int                   # selection blocks of the cache, padded to a power of two
-    BN: int
+    BN: int                    # tokens per tile of the window / selection partials (>= l': a block a tile)
+    BNC: int                   # compressed tokens per tile of the compressed partials
     BH: int
-    BDK: int
+    BDA: int                   # d_k as two power-of-two parts: BDA + BDB >= d_k (BDB = 0: one part)
+    BDB: int
     BDV: int
     cmp_tiles: int
     win_tiles: int
@@ -323,7 +342,7 @@ class Plan:
     C_CMP: int
     C_WIN: int
     C_SEL: int
-    tb: int                    # selection blocks per tile of BN compressed tokens (BN·d / l')
+    tb: int                    # selection blocks per tile of BNC compressed tokens (BNC·d / l')
     nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
     nbt_p: int                 # nbt padded to a power of two >= 16
 
@@ -333,23 +352,32 @@ class Plan:
 
     @property
     def n_tiles(self) -> int:
-        """Tiles of BN compressed tokens the compressed partials cover."""
+        """Tiles of BNC compressed tokens the compressed partials cover."""
         return self.C_CMP * self.cmp_tiles
+
+
+def _head_dim_parts(d: int) -> tuple[int, int]:
+    """d as (a, b): a the largest power of two <= d (at least 16), b the rest rounded up to a power
+    of two (0 when a covers d): 192 -> (128, 64), 128 -> (128, 0), 20 -> (16, 16)."""
+    a = max(16, 1 << (d.bit_length() - 1))
+    return a, (0 if d <= a else max(16, triton.next_power_of_2(d - a)))
 
 
 def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
     BN = max(16, triton.next_power_of_2(cfg.block_size))
+    # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
+    BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 8
-    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BN), triton.cdiv(cfg.window, BN), cfg.n_selected
+    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), cfg.n_selected
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
-    # BN is a power of two >= l' (a power of two), so a tile starts on a block boundary
-    tb = BN * cfg.cmp_stride // cfg.block_size
-    nbt = ((BN - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
+    tb = BNC * cfg.cmp_stride // cfg.block_size
+    nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
+    BDA, BDB = _head_dim_parts(cfg.d_k)
     return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
-                triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, max(16, triton.next_power_of_2(h)),
-                max(16, triton.next_power_of_2(cfg.d_k)), max(16, triton.next_power_of_2(cfg.d_v)),
+                triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
+                max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)))
 
@@ -401,7 +429,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
                   NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
-                  DK=p.d_k, DV=p.d_v, BH=p.BH, BN=p.BN, BDK=p.BDK, BDV=p.BDV,
+                  DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS)
     args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax,
@@ -410,7 +438,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
             v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
     BG = B * p.G
     if want & {"cmp", "sel"}:
-        _partial_kernel[(BG, p.C_CMP)](*args, 0, WANT_V="cmp" in want, WRITE_SCORES="sel" in want, **common)
+        _partial_kernel[(BG, p.C_CMP)](*args, 0, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
+                                      **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
@@ -424,7 +453,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, WANT_V=True, WRITE_SCORES=False, **common)
+        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, **common)
     BDV_S = min(p.BDV, MERGE_COLS)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,

@@ -61,6 +61,33 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer):
     assert compare(r.mixed, mixed, mixed_lp, dtype=dtype)["ok"]
 
 
+@pytest.mark.parametrize("d_k, d_v, cmp_tile", [(24, 8, 64), (48, 16, 32), (16, 8, 16)],
+                         ids=["dk24-split16+16-tile64", "dk48-split32+16-tile32", "dk16-tile16"])
+def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatch):
+    """d_k taken as two power-of-two parts (the paper's 192 = 128 + 64) and compressed tiles other
+    than the window/selection tile: the oracle's blocks, outputs and the formula's reads."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "CMP_TILE", cmp_tile)
+    cfg = tiny(block_size=16, n_selected=4, window=20, d_k=d_k, d_v=d_v)
+    torch.manual_seed(5)
+    m = NSAAttention(cfg).to(DEV)
+    x = torch.randn(2, 100, cfg.d_model, device=DEV)
+    p = decode.plan(cfg, 2, 100, cfg.n_cmp(99), DEV)
+    assert (p.BDA + p.BDB >= d_k) and (p.BDB > 0) == (d_k not in (16, 32, 64)) and p.BNC == cmp_tile
+    with torch.no_grad():
+        for t in (47, 99):
+            q, k, v = m.project(x[:, :t + 1])
+            cache = DecodeCache(cfg, 2, 100, device=DEV)
+            cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+            pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+            r = decode.decode_attention(q[:, t], cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, cfg, p=p)
+            ref = reference.decode_row(q[:, t], cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, cfg)
+            assert torch.equal(r.idx.long(), ref["idx"]), t
+            for br in ("cmp", "sel", "win"):
+                assert compare(r.out[br], ref[f"o_{br}"], None, dtype=torch.float32)["ok"], (t, br)
+                assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
+
+
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
 def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer):
     """branches=(b,): the same output and reads as the full step, and only b noted as run."""
