@@ -45,7 +45,10 @@ from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
 # B=16 / B=1, ms): partial programs of 4 warps (8: 0.171-0.185 vs 0.136-0.138 at B=16), 2 stages
 # (3 stages hold one program per SM: 0.137-0.160); compressed tiles of 64 tokens (32: 0.137-0.165,
-# 16: 0.156-0.197 at B=16); merge programs of 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32)
+# 16: 0.156-0.197 at B=16); merge programs of 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32).
+# Nsight Compute on the compressed partial (B=16, before the d_k split): 2 programs of 4 warps per
+# SM (registers and shared memory each allow 2), schedulers idle 71% of cycles; capping registers
+# for more programs per SM was slower (maxnreg 168 / 128: 76.3 / 83.7 us vs 72.8 us uncapped)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
 MAX_TILES = 16                 # tiles one partial program walks at most
