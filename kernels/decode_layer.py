@@ -52,9 +52,14 @@ def _span_kernel(K, V, PE_K, PE_V, T, XK, XV, skb, skt, svb, svt,
 
 
 @triton.jit
-def _store_row(Y, C, b, g, slot, done, sb, sn, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+def _store_row(Y, C, b, g, start, sb, sn, G: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+               BD: tl.constexpr):
     cols = tl.arange(0, BD)
-    ok = (cols < D) & done
+    # the test "t completes a span" on a vector, not a scalar: triton 3.9's interpreter types a mask
+    # combined from a scalar built of a loaded value as int32 and refuses it
+    s = start + cols * 0
+    ok = (cols < D) & (s >= 0) & (s % STRIDE == 0)
+    slot = tl.maximum(start, 0) // STRIDE
     tl.store(C + b * sb + slot * sn + g * D + cols, tl.load(Y + (b * G + g) * D + cols, mask=ok), mask=ok)
 
 
@@ -65,12 +70,9 @@ def _store_kernel(YK, YV, KC, VC, T, skb, skn, svb, svn,
     """Program (b, g): where token t completes a span ((t+1−L) ≥ 0 and a multiple of STRIDE), write
     φ's outputs YK[b, g] [d_k] / YV[b, g] [d_v] to compressed slot (t+1−L)/STRIDE; else nothing."""
     b, g = tl.program_id(0), tl.program_id(1)
-    t = tl.load(T + b).to(tl.int64)
-    start = t + 1 - L
-    done = (start >= 0) & (start % STRIDE == 0)
-    slot = tl.maximum(start, 0) // STRIDE
-    _store_row(YK, KC, b, g, slot, done, skb, skn, G, DK, BDK)
-    _store_row(YV, VC, b, g, slot, done, svb, svn, G, DV, BDV)
+    start = tl.load(T + b).to(tl.int64) + 1 - L
+    _store_row(YK, KC, b, g, start, skb, skn, G, STRIDE, DK, BDK)
+    _store_row(YV, VC, b, g, start, svb, svn, G, STRIDE, DV, BDV)
 
 
 class LayerDecodeStep:
