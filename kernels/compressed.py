@@ -335,7 +335,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -
         split = {"NSPLIT": 8, "split_len": 4096}
         measured = [{"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
-    return [c for i, c in enumerate(measured + smaller) if c not in (measured + smaller)[:i]]
+    configs = measured + smaller
+    return [c for i, c in enumerate(configs) if c not in configs[:i]]
 
 
 def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
@@ -403,7 +404,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
                 BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
         launch_fitting("cmp_fwd", (q.device, q.dtype, h, dk, dv, with_o),
-                              launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), launch)
+                       launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), launch)
         dispatch.note("kernel", "cmp_fwd", "triton")
     return out, lse
 

@@ -58,6 +58,20 @@ CMP_TILE = 64                  # compressed tokens per tile of the compressed pa
 
 
 @triton.jit
+def _load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
+    """Rows [R] of pointers, each to a d_k vector, loaded as two power-of-two parts: ([R, BDA],
+    [R, BDB]), zero where not ``ok`` [R] or past d_k. BDB = 0: one part, returned twice (the
+    second is then unused)."""
+    offs_a = tl.arange(0, BDA)
+    a = tl.load(rows[:, None] + offs_a[None, :], mask=ok[:, None] & (offs_a[None, :] < DK), other=0.0)
+    b = a
+    if BDB > 0:
+        offs_b = BDA + tl.arange(0, BDB)
+        b = tl.load(rows[:, None] + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < DK), other=0.0)
+    return a, b
+
+
+@triton.jit
 def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
           DK: tl.constexpr, DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
           PREC: tl.constexpr, WANT_V: tl.constexpr):
@@ -67,12 +81,9 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
     fit on an SM); kp/vp [BN] row pointers; valid [BN]. Returns the new state, and p = exp2(s − m)
     [BH, BN] with the running max m [BH] it is relative to (s: the tile's scores in log2 units;
     p = 0 where not valid)."""
-    offs_a = tl.arange(0, BDA)
-    k = tl.load(kp[:, None] + offs_a[None, :], mask=valid[:, None] & (offs_a[None, :] < DK), other=0.0)
-    s = tl.dot(qa, tl.trans(k), input_precision=PREC)
+    ka, kb = _load_dk(kp, valid, DK, BDA, BDB)
+    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
     if BDB > 0:
-        offs_b = BDA + tl.arange(0, BDB)
-        kb = tl.load(kp[:, None] + offs_b[None, :], mask=valid[:, None] & (offs_b[None, :] < DK), other=0.0)
         s += tl.dot(qb, tl.trans(kb), input_precision=PREC)
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -106,13 +117,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
-    q_row = Q + b * sqb + (g * H_PER_G + rows)[:, None] * sqh
-    offs_a = tl.arange(0, BDA)
-    qa = tl.load(q_row + offs_a[None, :], mask=(rows[:, None] < H_PER_G) & (offs_a[None, :] < DK), other=0.0)
-    qb = qa                                                          # unused unless BDB > 0
-    if BDB > 0:
-        offs_b = BDA + tl.arange(0, BDB)
-        qb = tl.load(q_row + offs_b[None, :], mask=(rows[:, None] < H_PER_G) & (offs_b[None, :] < DK), other=0.0)
+    qa, qb = _load_dk(Q + b * sqb + (g * H_PER_G + rows) * sqh, rows < H_PER_G, DK, BDA, BDB)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BDV], tl.float32)

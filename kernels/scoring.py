@@ -229,7 +229,7 @@ class _Launch(torch.autograd.Function):
                 BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
                 PREC=precision(q.dtype), **lc)
         launch_fitting("select", (q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected),
-                              launch_configs(h, BDK, n_selected, q.element_size()), launch)
+                       launch_configs(h, BDK, n_selected, q.element_size()), launch)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
         ctx.mark_non_differentiable(out)
         return out

@@ -320,7 +320,7 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
                 H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
                 BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype), **lc)
         launch_fitting("sel_fwd", (q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
-                              launch)
+                       launch)
         dispatch.note("kernel", "sel_fwd", "triton")
     return out, lse
 
