@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, launch_fitting, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, descriptor, descriptors_usable, launch_fitting, pow2, precision, usable
 from nsa_core import dispatch
 
 
@@ -95,6 +95,23 @@ def _store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(P, row0, col0, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, TMA: tl.constexpr,
+               ZERO: tl.constexpr):
+    """[ROWS, BD] rows of one head, zero past D and (ZERO) where ``ok`` is False. TMA: ``P`` is a
+    descriptor of a [rows, heads, D] tensor with block [ROWS // COLS, COLS, BD] loaded at
+    (row0, col0, 0) and flattened, zero-filled past the tensor's edges; rows of a neighbouring
+    sequence are real data, so a caller whose rows may cross one sets ZERO. Else ``P`` is a
+    pointer and ``base`` [ROWS] the rows' element offsets."""
+    if TMA:
+        x = P.load([row0, col0, 0]).reshape(ROWS, BD)
+        if ZERO:
+            x = tl.where(ok[:, None], x, 0.0)
+        return x
+    else:
+        return _load_2d(P, base, ok, D, BD)
+
+
+@triton.jit
 def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
     """Compressed tokens query t may use (integer division truncates: guard t + 1 < l)."""
     return tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
@@ -110,13 +127,14 @@ def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr)
 def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
                CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
-               WITH_O: tl.constexpr, MASKED: tl.constexpr):
+               WITH_O: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One online-softmax step over compressed tokens [c0, c0 + BC). MASKED=False where every row
     of the tile sees every token of the chunk (no per-element visibility test)."""
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
-    k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+    # a masked chunk's scores past n_hi go to -inf below, so its keys need no zeroing; its values do
+    k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, False)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
         s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
@@ -127,7 +145,7 @@ def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh,
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if WITH_O:
-        v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+        v = _load_tile(VC, cbos + c0, g, kc * svt + g * svh, inb, DV, BDV, BC, TMA, MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, l_i
 
@@ -138,7 +156,7 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
-                    WITH_O: tl.constexpr):
+                    WITH_O: tl.constexpr, TMA: tl.constexpr):
     """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
     block scoring when the compressed branch itself ran elsewhere)."""
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
@@ -150,10 +168,10 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
         acc = tl.zeros([BT * BH, BDV], tl.float32)
         for c0 in range(0, n_full, BC):
             acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, False)
+                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, False, TMA)
         for c0 in range(n_full, n_hi, BC):
             acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, True)
+                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, True, TMA)
         empty = l_i == 0.0
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
@@ -164,13 +182,15 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
 @triton.jit
 def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+              BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+              TMA: tl.constexpr):
     """dq += dS·K over compressed tokens [c0, c0 + BC) (MASKED=False: every row sees the whole chunk)."""
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
-    k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
-    v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+    # past n_hi: p = 0 (the scores are masked); dS·K and dO·Vᵀ must not meet another sequence's NaN
+    k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, MASKED)
+    v = _load_tile(VC, cbos + c0, g, kc * svt + g * svh, inb, DV, BDV, BC, TMA, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
         # masked scores go to -inf before exp2: a score the forward never saw must not overflow
@@ -187,7 +207,7 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
                    scale, scale_log2,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                   BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+                   BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
@@ -201,10 +221,10 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         dq = tl.zeros([BT * BH, BDK], tl.float32)
         for c0 in range(0, n_full, BC):
             dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, False)
+                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, False, TMA)
         for c0 in range(n_full, n_hi, BC):
             dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, True)
+                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, True, TMA)
         _store_2d(DQ, t * sdqt + head * sdqh, dq * scale, ok, DK, BDK)
 
 
@@ -308,22 +328,32 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 # -- launchers -----------------------------------------------------------------------------
 def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -> list[dict]:
     """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
-    of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk. The
-    measured settings first, then smaller ones for a GPU with less shared memory per block
+    of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk; ``tma``:
+    tiles loaded through tensor descriptors (dropped where they are not usable). The measured
+    settings first, then smaller ones for a GPU with less shared memory per block
     (``common.launch_fitting`` runs the first that loads; the smallest: 16 rows, BC 16, one stage).
 
-    From a sweep on the H100 at 64k, H=64 (h=16), G=4, bf16: forward 256 rows / BC 64 / 8 warps
-    12.3 ms at d=128 and 17.8 ms at d_k=192 (128 rows / 4 warps: 13.4 and 24.8; BC 128 runs out of
-    shared memory at 192); dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit 40.6-49.6 ms
-    (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at the end of
-    the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC 32: 27-49
-    ms); at d_k=192 dq 128 rows / 8 warps 20.0 ms (64 rows / 4 warps: 27.1) and dk/dv BC 32 /
-    4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4)."""
+    From sweeps on the H100 at 64k, H=64 (h=16), G=4, bf16. Forward with descriptors: 128 rows /
+    BC 64 / 4 warps / 2 stages 9.1 ms at d=128 (256 rows / 8 warps: 10.1-10.2; 3 stages: 11.1;
+    BC 128: 10.2), 256 rows / 8 warps 12.9 ms at d_k=192 (128 rows: 14.1-15.2); with pointer
+    loads 256 rows / BC 64 / 8 warps 11.2 and 15.7 ms (128 rows / 4 warps: 13.4 and 24.8; BC 128
+    runs out of shared memory at 192). dq with descriptors: the whole backward 0.9 ms (d=128) and
+    1.1 ms (d_k=192) faster than with pointer loads at the same settings; dk/dv's query tiles
+    loaded through [BT, h, d] descriptors made it slower (backward 45.8-52.3 ms vs 34.8 at d=128,
+    99.7 vs 81.8 at d_k=192), so dk/dv keeps pointer loads. Pointer-load sweeps before that:
+    dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit
+    40.6-49.6 ms (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at
+    the end of the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC
+    32: 27-49 ms); at d_k=192 dq 128 rows / 8 warps 20.0 ms (64 rows / 4 warps: 27.1) and dk/dv BC
+    32 / 4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
+    tma = []
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
         split = {}
+        if itemsize == 2:
+            tma = [{"BT": bt(256 if wide else 128), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}]
         measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
                     {"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}] if itemsize == 2 else \
                    [{"BT": bt(64), "BC": 64, "num_warps": 8, "num_stages": 2}]
@@ -331,11 +361,12 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -
         split = {}
         big = wide and itemsize == 2
         measured = [{"BT": bt(128 if big else 64), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}]
+        tma = measured if itemsize == 2 else []
     else:                        # split_len: a split gets at least this many queries (short sequences are not split)
         split = {"NSPLIT": 8, "split_len": 4096}
         measured = [{"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
-    configs = measured + smaller
+    configs = [{**c, "tma": True} for c in tma] + measured + smaller
     return [c for i, c in enumerate(configs) if c not in configs[:i]]
 
 
@@ -394,17 +425,23 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     if T and B and max_seqlen:
         BDK, BDV = pow2(dk), pow2(dv)
         o_arg = out if with_o else lse                   # not touched without WITH_O
+        tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
 
         def launch(lc):
-            BT = lc.pop("BT")
+            BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
+            kc, vc = k_cmp, v_cmp
+            if use_tma:
+                kc = descriptor(k_cmp, [lc["BC"], 1, BDK])
+                vc = descriptor(v_cmp, [lc["BC"], 1, BDV]) if with_o else kc
+                dispatch.note("kernel", "cmp_fwd@tma", "triton")
             _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-                q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o_arg, lse,
+                q, kc, vc, cu_seqlens, cu_cmp, o_arg, lse,
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
                 o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
-                BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, **lc)
-        launch_fitting("cmp_fwd", (q.device, q.dtype, h, dk, dv, with_o),
-                       launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), launch)
+                BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, TMA=use_tma, **lc)
+        launch_fitting("cmp_fwd", (q.device, q.dtype, h, dk, dv, with_o, tma),
+                       usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), tma), launch)
         dispatch.note("kernel", "cmp_fwd", "triton")
     return out, lse
 
@@ -428,16 +465,21 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
-    spec = (q.device, q.dtype, h, d_k, d_v)
+    tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
+    spec = (q.device, q.dtype, h, d_k, d_v, tma)
 
     def launch_dq(lc):
-        BT = lc.pop("BT")
+        BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
+        kc, vc = k_cmp, v_cmp
+        if use_tma:
+            kc, vc = descriptor(k_cmp, [lc["BC"], 1, BDK]), descriptor(v_cmp, [lc["BC"], 1, BDV])
+            dispatch.note("kernel", "cmp_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
+            q, kc, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, **common, **lc)
-    launch_fitting("cmp_dq", spec, launch_configs("dq", h, BDK, BDV, q.element_size()), launch_dq)
+            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, TMA=use_tma, **common, **lc)
+    launch_fitting("cmp_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
     def launch_dkdv(lc):
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")

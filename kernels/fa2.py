@@ -131,10 +131,13 @@ d 192: ~7.5 GiB at once); one KV head's group at a time needs 1/G of that."""
 def window_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int, backend: str,
                      scale: float | None = None, split_heads_from: int = SPLIT_HEADS_FROM):
     """Sliding window: query t attends to positions max(0, t−w+1) .. t. [T, H, d_v]. Large inputs
-    (q.numel() >= ``split_heads_from``) run as one call per KV head (same result, less memory)."""
+    (q.numel() >= ``split_heads_from``) that autograd will differentiate run as one call per KV
+    head (same result, less memory in the backward); without a backward to come, one call (the
+    split and its stacking cost 0.9 ms of 5.8 at 64k, H=64, d 128 on an H100)."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     G = k.shape[1]
-    if G > 1 and q.numel() >= split_heads_from:
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if G > 1 and backward and q.numel() >= split_heads_from:
         # unbind, not slices: the backward stacks the G gradients once (a slice's backward would
         # write a zero-filled full-size gradient per group)
         qs, ks, vs = q.unflatten(1, (G, -1)).unbind(1), k.unbind(1), v.unbind(1)

@@ -118,6 +118,45 @@ def probe() -> str | None:
     return None
 
 
+def _descriptor_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _descriptor_probe(D, OUT, BC: tl.constexpr, BD: tl.constexpr):
+        x = D.load([tl.program_id(0) * BC, 1, 0]).reshape(BC, BD)
+        rows = tl.program_id(0) * BC + tl.arange(0, BC)
+        cols = tl.arange(0, BD)
+        tl.store(OUT + rows[:, None] * BD + cols[None, :], x)
+
+    return _descriptor_probe
+
+
+@functools.cache
+def descriptors() -> str | None:
+    """None when the interpreter loads tiles through tensor descriptors (TMA on a GPU) correctly,
+    zero-filled past the tensor's edges, as the kernels' descriptor paths need; else the reason.
+    Kernels take their pointer paths where it fails."""
+    if not interpreting():
+        return "TRITON_INTERPRET is not set: the probe runs only under the interpreter"
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        kernel = _descriptor_kernel()
+        g = torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.float16):
+            a = torch.randn(40, 3, 24, generator=g).to(dtype)          # [rows, heads, d]: head 1, d padded to 32
+            out = torch.full((48, 32), float("nan"), dtype=dtype)
+            kernel[(3,)](TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 1, 32]), out, BC=16, BD=32)
+            want = torch.zeros(48, 32, dtype=dtype)
+            want[:40, :24] = a[:, 1]
+            if not torch.equal(out, want):
+                return f"a descriptor load gave wrong values under the interpreter ({dtype} case)"
+    except Exception as e:
+        msg = " ".join(str(e).split())[:300]
+        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return None
+
+
 if __name__ == "__main__":
     import triton
     why = probe()

@@ -80,3 +80,18 @@ def test_launch_fitting_moves_past_out_of_resources_only():
         common.launch_fitting("t", (2,), [{"n": 0}, {"n": 1}], launch)                 # none fits
     with pytest.raises(ValueError):
         common.launch_fitting("t", (3,), configs, lambda cfg: (_ for _ in ()).throw(ValueError("bug")))
+
+
+def test_descriptors_only_for_tensors_tma_can_address():
+    """Tensor descriptors (TMA) need 16-byte aligned bases and strides, a contiguous last dimension
+    and a non-empty tensor; anything else takes the pointer path."""
+    common = _kernels()[0]
+    if not common.descriptors_usable(torch.zeros(8, 2, 16, device=DEV, dtype=torch.float16)):
+        pytest.skip("tensor descriptors are not usable here (no sm90 GPU, or the interpreter's descriptor "
+                    "loads failed their probe): the kernels take their pointer paths")
+    x = torch.zeros(8, 2, 16, device=DEV, dtype=torch.float16)
+    assert not common.descriptors_usable(torch.zeros(8, 2, 12, device=DEV, dtype=torch.float16))   # rows of 24 bytes
+    assert not common.descriptors_usable(torch.zeros(64, device=DEV, dtype=torch.float16)[1:33].view(8, 2, 2))
+    assert not common.descriptors_usable(x.transpose(0, 2))             # last dimension strided
+    assert not common.descriptors_usable(torch.zeros(0, 2, 16, device=DEV, dtype=torch.float16))
+    assert common.descriptors_usable(x, x[:, 1:])                       # a head slice: aligned
