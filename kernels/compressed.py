@@ -25,6 +25,10 @@ Layouts (packed variable length, like flash-attn's varlen API):
     lse      [T, H]          fp32 natural-log sum of exp of the scaled scores (+inf: no key)
 
 Token offsets are 64-bit; memory is O(T + N), no T×N matrix anywhere.
+
+The same kernels run the sliding-window branch (``kernels/window.py``): there the keys are the raw
+tokens (l = d = 1, so key i ends at position i) and a constexpr WINDOW = w > 0 also hides the keys
+that ended w or more positions before the query, so the loops start at the window's first chunk.
 """
 from __future__ import annotations
 
@@ -72,12 +76,22 @@ def _program_tile(CU, CUC, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.const
 
 
 @triton.jit
-def _chunk_bounds(t0, seq_len, n_seq, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr):
-    """(n_full, n_hi): the compressed tokens the tile's first token sees, cut to whole chunks of BC
-    (every row sees those whole: no mask), and those its last token sees (the loop's end)."""
-    n_hi = tl.minimum(_n_cmp(tl.minimum(t0 + BT, seq_len) - 1, CMP_LEN, CMP_STRIDE), n_seq)
-    return tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC, n_hi
+def _chunk_bounds(t0, seq_len, n_seq, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
+    """The chunks of BC keys a tile of tokens [t0, t_last] walks, as (lo, a, b, hi): [a, b) every
+    row sees whole (no mask), [lo, a) and [b, hi) need the per-element test. b: the keys the first
+    token sees, cut to whole chunks; hi: those the last token sees. Without a window lo = a = 0;
+    with one, the keys that ended by t − w are out of sight: lo starts at the first chunk the
+    first token still sees, a at the first the last token sees whole."""
+    t_last = tl.minimum(t0 + BT, seq_len) - 1
+    hi = tl.minimum(_n_cmp(t_last, CMP_LEN, CMP_STRIDE), n_seq)
+    b = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BC * BC
+    lo = b * 0
+    a = b * 0
+    if WINDOW > 0:
+        lo = _n_cmp(t0 - WINDOW, CMP_LEN, CMP_STRIDE) // BC * BC
+        a = tl.minimum(tl.maximum(tl.cdiv(_n_cmp(t_last - WINDOW, CMP_LEN, CMP_STRIDE), BC) * BC, lo), b)
+    return lo, a, b, hi
 
 
 @triton.jit
@@ -113,19 +127,25 @@ def _load_tile(P, row0, col0, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS:
 
 @triton.jit
 def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
-    """Compressed tokens query t may use (integer division truncates: guard t + 1 < l)."""
+    """Keys that have ended by position t, i.e. with i·d + l − 1 <= t (integer division truncates:
+    guard t + 1 < l, which also covers a negative t)."""
     return tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
 
 
 @triton.jit
-def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
-    """[rows, BC]: query row at position t_rel uses compressed token i (i·d + l − 1 <= t); both valid."""
-    return ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= t_rel[:, None])
+def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr):
+    """[rows, BC]: query row at position t_rel uses key i (it ended, i·d + l − 1 <= t, and, with a
+    window, within the last w positions, i·d + l − 1 > t − w); both valid."""
+    end = i[None, :] * CMP_STRIDE + CMP_LEN - 1
+    vis = ok[:, None] & inb[None, :] & (end <= t_rel[:, None])
+    if WINDOW > 0:
+        vis = vis & (end > t_rel[:, None] - WINDOW)
+    return vis
 
 
 @triton.jit
 def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
-               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                WITH_O: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One online-softmax step over compressed tokens [c0, c0 + BC). MASKED=False where every row
@@ -133,11 +153,11 @@ def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh,
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
-    # a masked chunk's scores past n_hi go to -inf below, so its keys need no zeroing; its values do
+    # a masked chunk's scores out of sight go to -inf below, so its keys need no zeroing; its values do
     k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, False)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -153,7 +173,7 @@ def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh,
 @triton.jit
 def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
-                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                     WITH_O: tl.constexpr, TMA: tl.constexpr):
@@ -162,16 +182,23 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
         q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
-        n_full, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, BT, BC)
+        lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
         m_i = tl.full([BT * BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BT * BH], tl.float32)
         acc = tl.zeros([BT * BH, BDV], tl.float32)
-        for c0 in range(0, n_full, BC):
+        if WINDOW > 0:
+            for c0 in range(lo, a, BC):
+                acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+                                           True, TMA)
+        for c0 in range(a, b, BC):
             acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, False, TMA)
-        for c0 in range(n_full, n_hi, BC):
+                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+                                       False, TMA)
+        for c0 in range(b, n_hi, BC):
             acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, WITH_O, True, TMA)
+                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+                                       True, TMA)
         empty = l_i == 0.0
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
@@ -181,20 +208,20 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
 
 @triton.jit
 def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
-              CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
               TMA: tl.constexpr):
     """dq += dS·K over compressed tokens [c0, c0 + BC) (MASKED=False: every row sees the whole chunk)."""
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
-    # past n_hi: p = 0 (the scores are masked); dS·K and dO·Vᵀ must not meet another sequence's NaN
+    # out of sight: p = 0 (the scores are masked); dS·K and dO·Vᵀ must not meet another sequence's NaN
     k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, MASKED)
     v = _load_tile(VC, cbos + c0, g, kc * svt + g * svh, inb, DV, BDV, BC, TMA, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
         # masked scores go to -inf before exp2: a score the forward never saw must not overflow
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
@@ -205,7 +232,7 @@ def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt,
 def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
                    scale, scale_log2,
-                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
@@ -217,20 +244,25 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
-        n_full, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, BT, BC)
+        lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
         dq = tl.zeros([BT * BH, BDK], tl.float32)
-        for c0 in range(0, n_full, BC):
+        if WINDOW > 0:
+            for c0 in range(lo, a, BC):
+                dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
+                               scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, True, TMA)
+        for c0 in range(a, b, BC):
             dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, False, TMA)
-        for c0 in range(n_full, n_hi, BC):
+                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, False, TMA)
+        for c0 in range(b, n_hi, BC):
             dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, DK, DV, BC, BDK, BDV, PREC, True, TMA)
+                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, True, TMA)
         _store_2d(DQ, t * sdqt + head * sdqh, dq * scale, ok, DK, BDK)
 
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh, slt, slh, scale_log2,
-               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
+               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
+               DK: tl.constexpr,
                DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                PREC: tl.constexpr, MASKED: tl.constexpr):
     """dk/dv of the chunk += the contributions of query tokens [t0, t0 + BT) (rows past ``hi`` or
@@ -243,7 +275,7 @@ def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE), s, float("-inf"))
+        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])                                              # [rows, BC]
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -255,13 +287,14 @@ def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh
 @triton.jit
 def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, scale_log2, NCH,
-                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr,
+                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                      BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                      NSPLIT: tl.constexpr):
     """Partial dk/dv of compressed tokens [c·BC, (c+1)·BC) of one sequence and KV head from split
-    s of the queries that see them (t from c·BC·d + l − 1 to the end, cut in NSPLIT equal runs of
-    whole tiles): an fp32 scratch row per (chunk, split), summed in order by the reduce kernel.
+    s of the queries that see them (t from c·BC·d + l − 1 to the end, or with a window until the
+    chunk's last key leaves it, cut in NSPLIT equal runs of whole tiles): an fp32 scratch row per
+    (chunk, split), summed in order by the reduce kernel.
     The split keeps the long chunks (the first ones: every later query sees them) from running
     alone at the end of the grid."""
     c = tl.program_id(0) // NSPLIT
@@ -280,18 +313,32 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
         v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
         t_first = i0 * CMP_STRIDE + CMP_LEN - 1
-        run = tl.cdiv(tl.cdiv(seq_len - t_first, BT), NSPLIT) * BT
+        t_end = seq_len
+        if WINDOW > 0:          # the last query that sees the chunk's last key: its end + w − 1
+            t_end = tl.minimum(seq_len, (tl.minimum(i0 + BC, n_seq) - 1) * CMP_STRIDE + CMP_LEN - 1 + WINDOW)
+        run = tl.cdiv(tl.cdiv(t_end - t_first, BT), NSPLIT) * BT
         lo = t_first + split * run
-        hi = tl.minimum(lo + run, seq_len)
-        # query tiles from t_all on see the whole chunk (its last token's span is complete)
+        hi = tl.minimum(lo + run, t_end)
+        # query tiles from t_all on see the whole chunk (its last token's span is complete) ...
         t_all = (i0 + BC - 1) * CMP_STRIDE + CMP_LEN - 1
         mid = tl.minimum(hi, lo + tl.cdiv(tl.maximum(t_all - lo, 0), BT) * BT)
+        # ... and, with a window, until its first key leaves the window (t >= t_first + w)
+        until = hi
+        if WINDOW > 0:
+            until = tl.maximum(mid, tl.minimum(hi, lo + tl.maximum(t_first + WINDOW - lo, 0) // BT * BT))
         for t0 in range(lo, mid, BT):
             dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
-                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK, DV, BT, BH, BDK, BDV, PREC, True)
-        for t0 in range(mid, hi, BT):
+                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK, BDV,
+                                PREC, True)
+        for t0 in range(mid, until, BT):
             dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
-                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK, DV, BT, BH, BDK, BDV, PREC, False)
+                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK, BDV,
+                                PREC, False)
+        if WINDOW > 0:
+            for t0 in range(until, hi, BT):
+                dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
+                                    slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK,
+                                    BDV, PREC, True)
     # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
     row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
     every = offs_c >= 0
@@ -326,7 +373,7 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 
 
 # -- launchers -----------------------------------------------------------------------------
-def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -> list[dict]:
+def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, window: bool = False) -> list[dict]:
     """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
     of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk; ``tma``:
     tiles loaded through tensor descriptors (dropped where they are not usable). The measured
@@ -340,7 +387,10 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -
     runs out of shared memory at 192). dq with descriptors: the whole backward 0.9 ms (d=128) and
     1.1 ms (d_k=192) faster than with pointer loads at the same settings; dk/dv's query tiles
     loaded through [BT, h, d] descriptors made it slower (backward 45.8-52.3 ms vs 34.8 at d=128,
-    99.7 vs 81.8 at d_k=192), so dk/dv keeps pointer loads. Pointer-load sweeps before that:
+    99.7 vs 81.8 at d_k=192), so dk/dv keeps pointer loads. As the sliding window (``window``,
+    w=512): forward 128 rows / 4 warps 3.45 ms at d=128 (64 rows 3.43, 256 rows / 8 warps 4.09,
+    3 stages 4.62), at d_k=192 128 rows / 8 warps 5.0 ms (256 rows 5.9); dq and dk/dv at the
+    compressed settings within 0.4 ms of the best tried. Pointer-load sweeps before that:
     dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit
     40.6-49.6 ms (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at
     the end of the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC
@@ -353,7 +403,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2) -
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
         split = {}
         if itemsize == 2:
-            tma = [{"BT": bt(256 if wide else 128), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}]
+            tma = [{"BT": bt(256 if wide and not window else 128), "BC": 64, "num_warps": 8 if wide else 4,
+                    "num_stages": 2}]
         measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
                     {"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}] if itemsize == 2 else \
                    [{"BT": bt(64), "BC": 64, "num_warps": 8, "num_stages": 2}]
@@ -409,10 +460,12 @@ def _grid_sizes(cu, cmp_len, cmp_stride, max_seqlen):
 
 
 def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
-                             scale=None, max_seqlen: int | None = None, out=None, lse=None, with_o: bool = True):
+                             scale=None, max_seqlen: int | None = None, out=None, lse=None, with_o: bool = True,
+                             window: int = 0):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
     (e.g. NaN-poisoned buffers in tests); every row of both is written. ``with_o=False``: the
-    log-sum-exp alone (o is None; v_cmp is not read)."""
+    log-sum-exp alone (o is None; v_cmp is not read). ``window`` > 0: a query sees only the keys
+    that ended within its last ``window`` positions (the sliding-window branch: ``kernels.window``)."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, dk = q.shape
     dv = v_cmp.shape[2]
@@ -426,6 +479,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
         BDK, BDV = pow2(dk), pow2(dv)
         o_arg = out if with_o else lse                   # not touched without WITH_O
         tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
+        name = "win" if window else "cmp"
 
         def launch(lc):
             BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
@@ -433,23 +487,26 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
             if use_tma:
                 kc = descriptor(k_cmp, [lc["BC"], 1, BDK])
                 vc = descriptor(v_cmp, [lc["BC"], 1, BDV]) if with_o else kc
-                dispatch.note("kernel", "cmp_fwd@tma", "triton")
+                dispatch.note("kernel", f"{name}_fwd@tma", "triton")
             _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
                 q, kc, vc, cu_seqlens, cu_cmp, o_arg, lse,
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
                 o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
-                CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=dk, DV=dv, BT=BT, BH=triton.next_power_of_2(h),
+                CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=dk, DV=dv, BT=BT,
+                BH=triton.next_power_of_2(h),
                 BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, TMA=use_tma, **lc)
-        launch_fitting("cmp_fwd", (q.device, q.dtype, h, dk, dv, with_o, tma),
-                       usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size()), tma), launch)
-        dispatch.note("kernel", "cmp_fwd", "triton")
+        launch_fitting(f"{name}_fwd", (q.device, q.dtype, h, dk, dv, with_o, tma),
+                       usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0), tma),
+                       launch)
+        dispatch.note("kernel", f"{name}_fwd", "triton")
     return out, lse
 
 
 def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
-                             scale=None, max_seqlen: int | None = None):
+                             scale=None, max_seqlen: int | None = None, window: int = 0):
     """Backward launcher: returns (dq [T, H, d_k], dk_cmp [N, G, d_k], dv_cmp [N, G, d_v]) in q's
-    dtype; every row is written (zero where no query reached a compressed token)."""
+    dtype; every row is written (zero where no query reached a compressed token). ``window``: as
+    the forward's."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, d_k = q.shape
     d_v = v_cmp.shape[2]
@@ -464,7 +521,9 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         return dq.zero_(), dk, dv
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
-    common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK, BDV=BDV, PREC=prec)
+    common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK,
+                  BDV=BDV, PREC=prec)
+    name = "win" if window else "cmp"
     tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
     spec = (q.device, q.dtype, h, d_k, d_v, tma)
 
@@ -473,17 +532,18 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         kc, vc = k_cmp, v_cmp
         if use_tma:
             kc, vc = descriptor(k_cmp, [lc["BC"], 1, BDK]), descriptor(v_cmp, [lc["BC"], 1, BDV])
-            dispatch.note("kernel", "cmp_dq@tma", "triton")
+            dispatch.note("kernel", f"{name}_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
             q, kc, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
             dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, TMA=use_tma, **common, **lc)
-    launch_fitting("cmp_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
+    launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
     def launch_dkdv(lc):
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
-        nsplit = max(1, min(nsplit, max_seqlen // split_len))      # short sequences: fewer splits
+        # short sequences, and windows (a chunk's queries end w after it), need fewer splits
+        nsplit = 1 if window else max(1, min(nsplit, max_seqlen // split_len))
         NCH = triton.cdiv(max_cmp, BC)
         part_k = torch.empty(B * G * NCH * nsplit, BC, BDK, device=q.device, dtype=torch.float32)
         part_v = torch.empty(B * G * NCH * nsplit, BC, BDV, device=q.device, dtype=torch.float32)
@@ -496,29 +556,29 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
             DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
     if max_cmp:
-        launch_fitting("cmp_dkdv", spec, launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
-    dispatch.note("kernel", "cmp_bwd", "triton")
+        launch_fitting(f"{name}_dkdv", spec, launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
+    dispatch.note("kernel", f"{name}_bwd", "triton")
     return dq, dk, dv
 
 
 # -- autograd ------------------------------------------------------------------------------
 class _CompressedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen):
+    def forward(ctx, q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen, window):
         o, lse = compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp,
-                                          scale=scale, max_seqlen=max_seqlen)
+                                          scale=scale, max_seqlen=max_seqlen, window=window)
         ctx.save_for_backward(q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_cmp)
-        ctx.args = (cmp_len, cmp_stride, scale, max_seqlen)
+        ctx.args = (cmp_len, cmp_stride, scale, max_seqlen, window)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k_cmp, v_cmp, o, lse, cu_seqlens, cu_cmp = ctx.saved_tensors
-        cmp_len, cmp_stride, scale, max_seqlen = ctx.args
+        cmp_len, cmp_stride, scale, max_seqlen, window = ctx.args
         dq, dk, dv = compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len, cmp_stride, cu_seqlens, cu_cmp,
-                                              scale=scale, max_seqlen=max_seqlen)
-        return dq, dk, dv, None, None, None, None, None, None
+                                              scale=scale, max_seqlen=max_seqlen, window=window)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_len: int, cmp_stride: int,
@@ -537,4 +597,4 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
         max_seqlen = q.shape[0] if max_seqlen is None else max_seqlen
     if cu_cmp is None:
         cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_len, cmp_stride)
-    return _CompressedAttention.apply(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen)
+    return _CompressedAttention.apply(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen, 0)

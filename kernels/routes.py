@@ -16,10 +16,10 @@ from nsa_core.config import NSAConfig
 try:
     import triton
 
-    from kernels import compressed, decode, mix, scoring, selection
+    from kernels import compressed, decode, mix, scoring, selection, window
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
-    compressed = decode = mix = scoring = selection = None
+    compressed = decode = mix = scoring = selection = window = None
     _TRITON_MISSING = f"triton does not import ({e})"
 
 
@@ -92,6 +92,20 @@ def prefill_compressed(cfg: NSAConfig, q, k_cmp, v_cmp):
 
 
 routing.register(routing.PREFILL, "cmp", routing.TRITON, prefill_compressed, triton_unavailable)
+
+
+def prefill_window(cfg: NSAConfig, q, k, v):
+    """q [B, S, H, d_k], k/v [B, S, G, d] -> o [B, S, H, d_v]: the sliding window on the Triton
+    kernel (differentiable in q, k, v)."""
+    B, S, H, _ = q.shape
+    G = cfg.n_kv_heads
+    o = window.window_attention(q.reshape(B * S, H, -1), k.reshape(B * S, G, -1), v.reshape(B * S, G, -1),
+                                cfg.window, _batch_cu(B, S, q.device), scale=cfg.scale, max_seqlen=S)
+    routing.note(routing.PREFILL, "win", routing.TRITON)
+    return o.view(B, S, H, cfg.d_v)
+
+
+routing.register(routing.PREFILL, "win", routing.TRITON, prefill_window, triton_unavailable)
 
 
 def prefill_select(cfg: NSAConfig, q, k_cmp, lse=None):

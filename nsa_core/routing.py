@@ -22,13 +22,15 @@ class RoutingPolicy:
     A threshold of ``None`` means the backend is never used. ``sel_triton_min_len`` gates the
     Triton selection kernel in prefill, ``cmp_triton_min_len`` the Triton compressed attention
     (it wins over FA-2 where both thresholds are met: it also gives the log-sum-exp scoring
-    needs), ``select_triton_min_len`` the Triton block scoring + top-n; FA-2 thresholds gate the
-    compressed and window branches; ``decode_backend`` picks the decode-step implementation.
+    needs), ``select_triton_min_len`` the Triton block scoring + top-n, ``win_triton_min_len``
+    the Triton sliding-window attention (before FA-2 where both are met); FA-2 thresholds gate
+    the compressed and window branches; ``decode_backend`` picks the decode-step implementation.
     """
     sel_triton_min_len: int | None = None
     cmp_triton_min_len: int | None = None
     select_triton_min_len: int | None = None
     mix_triton_min_len: int | None = None
+    win_triton_min_len: int | None = None
     fa2_min_len_cmp: int | None = None
     fa2_min_len_win: int | None = None
     fa2_backend: str = "auto"          # auto | flash_attn | varlen
@@ -74,7 +76,7 @@ def lookup(phase: str, branch: str, backend: str, **query) -> tuple[Callable | N
 PREFILL_RULES: dict[str, tuple[tuple[str, str], ...]] = {
     "cmp": ((TRITON, "cmp_triton_min_len"), (FA2, "fa2_min_len_cmp")),
     "sel": ((TRITON, "sel_triton_min_len"),),
-    "win": ((FA2, "fa2_min_len_win"),),
+    "win": ((TRITON, "win_triton_min_len"), (FA2, "fa2_min_len_win")),
     "select": ((TRITON, "select_triton_min_len"),),
     "mix": ((TRITON, "mix_triton_min_len"),),
 }

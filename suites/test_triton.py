@@ -1,6 +1,6 @@
 """triton: the Triton prefill kernels against the fp32 oracle: selection attention
-(``kernels/selection.py``), compressed attention (``kernels/compressed.py``) and block scoring + top-n
-(``kernels/scoring.py``).
+(``kernels/selection.py``), compressed attention (``kernels/compressed.py``), the sliding window
+(``kernels/window.py``) and block scoring + top-n (``kernels/scoring.py``).
 
 Method (FlashAttention's, as in ``sanity``): inputs are made once in the test dtype; the oracle
 (``nsa_core.reference.masked_attention`` over ``selection_mask``: explicit masks, no gathers)
@@ -14,6 +14,7 @@ causal attention (the configuration of the public figures in docs/method.md) and
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -389,6 +390,102 @@ def test_cmp_varlen_split(dt, record, monkeypatch):
     _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
 
 
+# -- sliding-window attention (kernels/window.py: the compressed kernels with a WINDOW bound) ----
+def _require_win(dtype):
+    _require(dtype)
+    from kernels import window
+    return window
+
+
+def _win_oracle_grads(q, k, v, lens, cfg, do, dtype):
+    """(o, (dq, dk, dv)) of the oracle in ``dtype``: masked attention over ``reference.window_mask``."""
+    mask = lambda rc, pos, N: reference.window_mask(cfg, pos, N)[None, :, None, :]  # noqa: E731
+    return _with_grads(lambda q_, k_, v_: oracle_attention(q_, k_, v_, lens, lens, mask, dtype), (q, k, v), do, dtype)
+
+
+def _check_win(record, cfg, dtype, q, k, v, lens, o, do, grads):
+    o32, g32 = _win_oracle_grads(q, k, v, lens, cfg, do, torch.float32)
+    olp, glp = _win_oracle_grads(q, k, v, lens, cfg, do, dtype) if _lp(dtype) else (None, (None,) * 3)
+    record.check("o", o, o32, olp, dtype=dtype)
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, g32, glp):
+        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
+    record.assert_ok()
+
+
+# the configuration's window and an off-grid one that is not a multiple of any key chunk
+WIN_SHAPES = [pytest.param(*p.values, w, id=f"{p.id}-w{w}") for p in CMP_SHAPES for w in (None, 37)]
+
+
+@pytest.mark.parametrize("dt,h,dk,dv,S,w", WIN_SHAPES)
+def test_win_fwd_bwd(dt, h, dk, dv, S, w, record):
+    """Sliding-window attention: o and the gradients of q, k, v vs the oracle (w=None: the config's window)."""
+    dtype = DTYPES[dt]
+    win = _require_win(dtype)
+    cfg = _cmp_cfg(h, dk, dv)
+    cfg = dataclasses.replace(cfg, window=w or cfg.window)
+    q, k, v = _qkv(S, cfg.n_kv_heads, h, dk, dv, dtype, seed=S + h + 1, grad=True)
+    do = torch.randn(S, cfg.n_heads, dv, device=DEV).to(dtype)
+    with record.capture() as log:
+        o = win.window_attention(q, k, v, cfg.window)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    record.expect_ran(log, "kernel", "win_fwd", "triton")
+    record.expect_ran(log, "kernel", "win_bwd", "triton")
+    record.metrics["window"] = cfg.window
+    _check_win(record, cfg, dtype, q, k, v, [S], o, do, grads)
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_win_varlen_nan_poisoned(dt, record):
+    """A packed batch with an empty, a 1-token and off-grid sequences; inputs are views into
+    NaN-filled storage (NaN past the last token and past d_k/d_v in every row) and the forward's
+    output buffers start as NaN: the kernels read only what they own and write every row."""
+    dtype = DTYPES[dt]
+    win = _require_win(dtype)
+    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    G, H, lens = cfg.n_kv_heads, cfg.n_heads, sorted(set(CFG.varlen_lens) | {cfg.window + 3})
+    T = sum(lens)
+    q0, k0, v0 = _qkv(T, G, h, dk, dv, dtype, seed=17)
+    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
+    qs, ks, vs = nan(T + 37, H, dk + 8), nan(T + 37, G, dk + 8), nan(T + 37, G, dv + 8)
+    qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv] = q0, k0, v0
+    q, k, v = qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv]
+    do = torch.randn(T, H, dv, device=DEV).to(dtype)
+    out, lse = nan(T, H, dv), torch.full((T, H), float("nan"), device=DEV)
+    cu = cu_seqlens(lens, DEV)
+    with record.capture() as log:
+        win.window_attention_fwd(q, k, v, cfg.window, cu, out=out, lse=lse)
+        grads = win.window_attention_bwd(do, q, k, v, out, lse, cfg.window, cu)
+    record.expect_ran(log, "kernel", "win_fwd", "triton")
+    record.expect_ran(log, "kernel", "win_bwd", "triton")
+    for name, t in (("o", out), ("lse", lse), *zip(("dq", "dk", "dv"), grads)):
+        assert torch.isfinite(t).all(), f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values"
+    record.metrics.update(lens=lens, window=cfg.window)
+    _check_win(record, cfg, dtype, q0, k0, v0, lens, out, do, grads)
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_win_deterministic(dt, record):
+    """Forward and backward rerun bit-identically (no atomics)."""
+    dtype = DTYPES[dt]
+    win = _require_win(dtype)
+    h, (dk, dv), S = CFG.heads_per_group[-1], CFG.head_dims[-1], CFG.seq_lens[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    q, k, v = _qkv(S, cfg.n_kv_heads, h, dk, dv, dtype, seed=19)
+    do = torch.randn(S, cfg.n_heads, dv, device=DEV).to(dtype)
+    runs = []
+    with record.capture() as log:
+        for _ in range(3):
+            o, lse = win.window_attention_fwd(q, k, v, cfg.window)
+            runs.append((o, lse, *win.window_attention_bwd(do, q, k, v, o, lse, cfg.window)))
+    record.expect_ran(log, "kernel", "win_fwd", "triton")
+    record.expect_ran(log, "kernel", "win_bwd", "triton")
+    for name, i in (("o", 0), ("lse", 1), ("dq", 2), ("dk", 3), ("dv", 4)):
+        same = all(torch.equal(runs[0][i], r[i]) for r in runs[1:])
+        record.metrics[f"{name}_bit_identical"] = same
+        assert same, f"{name} differs between reruns"
+
+
 def _select_oracle(q, kc, lens, ncmp, cfg, dtype):
     """Per sequence: (idx [S, G, n], scores [S, G, NB]) of the oracle in ``dtype`` from its
     compressed-branch probabilities (``reference.block_scores`` / ``select_blocks``)."""
@@ -720,8 +817,9 @@ def test_bench(S, record, extra):
 
 # -- routing the compressed branch and block selection: Triton vs the torch path (GPU) -------------
 ROUTE_TABLE = ("Triton compressed attention, block scoring + top-n and gated mix vs the torch path the module "
-               "takes otherwise (module stages, bf16, B=1, H=64, G=4, d=128, paper blocks)")
-ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}, "mix": {}}
+               "takes otherwise; Triton sliding window vs the faster of FA-2 and torch (module stages, bf16, B=1, "
+               "H=64, G=4, d=128, paper blocks)")
+ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}, "mix": {}, "win": {}}
 
 
 @pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.route_seq_lens],
@@ -730,8 +828,10 @@ ROUTE_SPEEDUPS: dict[str, dict[int, float]] = {"cmp": {}, "select": {}, "mix": {
 def test_route_bench(S, record, extra):
     """Each routed stage of ``NSAAttention`` on both backends at one length: the compressed branch
     forward+backward, block selection (the Triton one including its lse pass, as when the
-    compressed branch runs elsewhere) and the gated mix forward+backward (with the output
-    projection, as the module runs it). Feeds ``route_recommendation``."""
+    compressed branch runs elsewhere), the gated mix forward+backward (with the output
+    projection, as the module runs it) and the sliding window forward+backward, whose Triton
+    kernel must beat FA-2 where flash-attn is installed (it is the route it would replace), else
+    torch. Feeds ``route_recommendation``."""
     dtype = torch.bfloat16
     _require_cmp(dtype)
     if DEV != "cuda":
@@ -742,32 +842,39 @@ def test_route_bench(S, record, extra):
     g = torch.Generator(device=DEV).manual_seed(S)
     mk = lambda *s: torch.randn(*s, device=DEV, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
     q, kc, vc = mk(1, S, cfg.n_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_k), mk(1, N, cfg.n_kv_heads, cfg.d_v)
+    k, v = mk(1, S, cfg.n_kv_heads, cfg.d_k), mk(1, S, cfg.n_kv_heads, cfg.d_v)
     go = torch.randn(1, S, cfg.n_heads, cfg.d_v, device=DEV).to(dtype)
     gate = torch.rand(1, S, cfg.n_heads, 3, device=DEV, generator=g).to(dtype).requires_grad_(True)
     parts = {br: mk(1, S, cfg.n_heads, cfg.d_v) for br in routing.BRANCHES}
     gm = torch.randn(1, S, cfg.d_model, device=DEV).to(dtype)
     policies = {"torch": RoutingPolicy(),
-                "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0, mix_triton_min_len=0)}
+                "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0, mix_triton_min_len=0,
+                                        win_triton_min_len=0)}
+    from kernels import fa2
+    if fa2.unavailable("flash_attn", device=DEV, dtype=dtype, d_k=cfg.d_k, d_v=cfg.d_v, window=True) is None:
+        policies["fa2"] = RoutingPolicy(fa2_min_len_win=0, fa2_backend="flash_attn")
     t, row = {}, {"S": S}
     for name, pol in policies.items():
         r = routing.prefill_routes(pol, S, cfg=cfg, device=torch.device(DEV), dtype=dtype)
         cmp_fb = lambda r=r: torch.autograd.grad(m.run_branch("cmp", r, q=q, k_cmp=kc, v_cmp=vc), (q, kc, vc), go)  # noqa: E731
         sel = lambda r=r: m.select_from(q.detach(), kc.detach(), r)  # noqa: E731
         mix_fb = lambda r=r: torch.autograd.grad(m.mix(gate, parts, r), (gate, *parts.values()), gm)  # noqa: E731
+        win_fb = lambda r=r: torch.autograd.grad(m.run_branch("win", r, q=q, k=k, v=v), (q, k, v), go)  # noqa: E731
+        stages = {"win_fwdbwd": win_fb} if name == "fa2" else \
+            {"cmp_fwdbwd": cmp_fb, "select": sel, "mix_fwdbwd": mix_fb, "win_fwdbwd": win_fb}
         with record.capture() as log:
-            cmp_fb()
-            sel()
-            mix_fb()
-        for stage in ROUTE_SPEEDUPS:
-            record.expect_ran(log, "prefill", stage, name)
-        t[f"cmp_fwdbwd_{name}"] = timing.bench(cmp_fb)
-        t[f"select_{name}"] = timing.bench(sel)
-        t[f"mix_fwdbwd_{name}"] = timing.bench(mix_fb)
+            for fn in stages.values():
+                fn()
+        for stage in ("win",) if name == "fa2" else ROUTE_SPEEDUPS:
+            record.expect_ran(log, "prefill", stage, routing.fa2_route("flash_attn") if name == "fa2" else name)
+        for key, fn in stages.items():
+            t[f"{key}_{name}"] = timing.bench(fn)
     for key, tm in t.items():
         record.timing(key, tm)
         row[f"{key} ms"] = _ms(tm)
-    for stage, key in (("cmp", "cmp_fwdbwd"), ("select", "select"), ("mix", "mix_fwdbwd")):
-        ROUTE_SPEEDUPS[stage][S] = t[f"{key}_torch"].median_ms / t[f"{key}_triton"].median_ms
+    for stage, key in (("cmp", "cmp_fwdbwd"), ("select", "select"), ("mix", "mix_fwdbwd"), ("win", "win_fwdbwd")):
+        other = min(tm.median_ms for k_, tm in t.items() if k_.startswith(f"{key}_") and not k_.endswith("_triton"))
+        ROUTE_SPEEDUPS[stage][S] = other / t[f"{key}_triton"].median_ms
         row[f"{stage} speedup"] = round(ROUTE_SPEEDUPS[stage][S], 2)
     extra.row(ROUTE_TABLE, row)
 
