@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, descriptor, descriptors_usable, launch_fitting, pow2, precision, usable
+from kernels.common import (LOG2E, LOG2E_C, descriptor, descriptors_usable, head_dim_parts, launch_fitting, load_dk,
+                            pow2, precision, usable)
 from nsa_core import dispatch
 
 
@@ -260,28 +261,35 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh, slt, slh, scale_log2,
-               CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
-               DK: tl.constexpr,
-               DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+def _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh, slt, slh,
+               scale_log2, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr,
+               H_PER_G: tl.constexpr, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+               DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr,
                PREC: tl.constexpr, MASKED: tl.constexpr):
     """dk/dv of the chunk += the contributions of query tokens [t0, t0 + BT) (rows past ``hi`` or
-    the group's heads give 0: their lse loads as +inf). MASKED=False: every row sees every token."""
+    the group's heads give 0: their lse loads as +inf). MASKED=False: every row sees every token.
+    d_k comes as two power-of-two parts (``common.head_dim_parts``: 192 is 128 + 64, no padding):
+    ka/kb, dka/dkb and the queries' qa/qb; BDB = 0: one part (kb, dkb unused)."""
     t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
     t = (bos + t_rel).to(tl.int64)
-    q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+    qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
     do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
     lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+    if BDB > 0:
+        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+    s = s * scale_log2
     if MASKED:
         s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])                                              # [rows, BC]
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-    return dk, dv
+    ds = tl.trans((p * (dp - delta[:, None])).to(qa.dtype))
+    dka += tl.dot(ds, qa, input_precision=PREC)
+    if BDB > 0:
+        dkb += tl.dot(ds, qb, input_precision=PREC)
+    return dka, dkb, dv
 
 
 @triton.jit
@@ -289,12 +297,12 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
                      sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, scale_log2, NCH,
                      CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                     BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                     BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                      NSPLIT: tl.constexpr):
     """Partial dk/dv of compressed tokens [c·BC, (c+1)·BC) of one sequence and KV head from split
     s of the queries that see them (t from c·BC·d + l − 1 to the end, or with a window until the
     chunk's last key leaves it, cut in NSPLIT equal runs of whole tiles): an fp32 scratch row per
-    (chunk, split), summed in order by the reduce kernel.
+    (chunk, split), summed in order by the reduce kernel; a PART_K row is [BC, BDA + BDB].
     The split keeps the long chunks (the first ones: every later query sees them) from running
     alone at the end of the grid."""
     c = tl.program_id(0) // NSPLIT
@@ -304,13 +312,16 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, b)
     i0 = c * BC
     offs_c = tl.arange(0, BC)
-    dk = tl.zeros([BC, BDK], tl.float32)
+    dka = tl.zeros([BC, BDA], tl.float32)
+    dkb = dka
+    if BDB > 0:
+        dkb = tl.zeros([BC, BDB], tl.float32)
     dv = tl.zeros([BC, BDV], tl.float32)
     if i0 < n_seq:
         i = i0 + offs_c
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
-        k = _load_2d(KC, kc * skt + g * skh, inb, DK, BDK)
+        ka, kb = load_dk(KC + kc * skt + g * skh, inb, DK, BDA, BDB)
         v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
         t_first = i0 * CMP_STRIDE + CMP_LEN - 1
         t_end = seq_len
@@ -327,30 +338,34 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         if WINDOW > 0:
             until = tl.maximum(mid, tl.minimum(hi, lo + tl.maximum(t_first + WINDOW - lo, 0) // BT * BT))
         for t0 in range(lo, mid, BT):
-            dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
-                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK, BDV,
-                                PREC, True)
+            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh,
+                                      sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, BDA,
+                                      BDB, DV, BT, BH, BDV, PREC, True)
         for t0 in range(mid, until, BT):
-            dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
-                                slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK, BDV,
-                                PREC, False)
+            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh,
+                                      sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, BDA,
+                                      BDB, DV, BT, BH, BDV, PREC, False)
         if WINDOW > 0:
             for t0 in range(until, hi, BT):
-                dk, dv = _dkdv_tile(dk, dv, k, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh, sdot, sdoh,
-                                    slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BDK,
-                                    BDV, PREC, True)
+                dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt,
+                                          sqh, sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G,
+                                          DK, BDA, BDB, DV, BT, BH, BDV, PREC, True)
     # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
     row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
     every = offs_c >= 0
-    _store_2d(PART_K, row * (BC * BDK) + offs_c * BDK, dk, every, BDK, BDK)
+    PK: tl.constexpr = BDA + BDB
+    _store_2d(PART_K, row * (BC * PK) + offs_c * PK, dka, every, BDA, BDA)
+    if BDB > 0:
+        _store_2d(PART_K + BDA, row * (BC * PK) + offs_c * PK, dkb, every, BDB, BDB)
     _store_2d(PART_V, row * (BC * BDV) + offs_c * BDV, dv, every, BDV, BDV)
 
 
 @triton.jit
 def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdvh, scale, NCH,
-                            DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+                            DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, PK: tl.constexpr,
                             BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr):
-    """dk/dv of one chunk of compressed tokens and KV head: its splits summed in order (deterministic)."""
+    """dk/dv of one chunk of compressed tokens and KV head: its splits summed in order (deterministic).
+    A PART_K row holds PK columns (the dk/dv kernel's two d_k parts)."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
@@ -366,7 +381,7 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
         dv = tl.zeros([BC, BDV], tl.float32)
         row0 = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT).to(tl.int64)
         for split in tl.static_range(NSPLIT):
-            dk += _load_2d(PART_K, (row0 + split) * (BC * BDK) + offs_c * BDK, every, BDK, BDK)
+            dk += _load_2d(PART_K, (row0 + split) * (BC * PK) + offs_c * PK, every, PK, BDK)
             dv += _load_2d(PART_V, (row0 + split) * (BC * BDV) + offs_c * BDV, every, BDV, BDV)
         _store_2d(DKC, kc * sdkt + g * sdkh, dk * scale, inb, DK, BDK)
         _store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV)
@@ -390,7 +405,10 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     99.7 vs 81.8 at d_k=192), so dk/dv keeps pointer loads. As the sliding window (``window``,
     w=512): forward 128 rows / 4 warps 3.45 ms at d=128 (64 rows 3.43, 256 rows / 8 warps 4.09,
     3 stages 4.62), at d_k=192 128 rows / 8 warps 5.0 ms (256 rows 5.9); dq and dk/dv at the
-    compressed settings within 0.4 ms of the best tried. Pointer-load sweeps before that:
+    compressed settings within 0.4 ms of the best tried. dk/dv with d_k as two power-of-two parts
+    (192 = 128 + 64, ``common.head_dim_parts``) at d_k=192: 128 rows / BC 64 / 8 warps, whole
+    backward 51.0 ms (64 rows / BC 32 / 4 warps 68.5, 64 rows / BC 64: 69.6-76.1; with d_k padded to
+    256 it was 81.8 ms); d=128 unchanged (34.4 ms; 128 rows / 8 warps 39.5). Pointer-load sweeps before that:
     dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit
     40.6-49.6 ms (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at
     the end of the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC
@@ -415,7 +433,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         tma = measured if itemsize == 2 else []
     else:                        # split_len: a split gets at least this many queries (short sequences are not split)
         split = {"NSPLIT": 8, "split_len": 4096}
-        measured = [{"BT": bt(64), "BC": 32 if wide else 64, **split, "num_warps": 4, "num_stages": 2}]
+        measured = [{"BT": bt(128), "BC": 64, **split, "num_warps": 8, "num_stages": 2} if wide else
+                    {"BT": bt(64), "BC": 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
     configs = [{**c, "tma": True} for c in tma] + measured + smaller
     return [c for i, c in enumerate(configs) if c not in configs[:i]]
@@ -521,8 +540,9 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         return dq.zero_(), dk, dv
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
-    common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH, BDK=BDK,
+    common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH,
                   BDV=BDV, PREC=prec)
+    BDA, BDB = head_dim_parts(d_k)                       # dk/dv: d_k as two power-of-two parts
     name = "win" if window else "cmp"
     tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
     spec = (q.device, q.dtype, h, d_k, d_v, tma)
@@ -537,7 +557,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             q, kc, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, TMA=use_tma, **common, **lc)
+            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, BDK=BDK, TMA=use_tma, **common, **lc)
     launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
     def launch_dkdv(lc):
@@ -545,16 +565,16 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         # short sequences, and windows (a chunk's queries end w after it), need fewer splits
         nsplit = 1 if window else max(1, min(nsplit, max_seqlen // split_len))
         NCH = triton.cdiv(max_cmp, BC)
-        part_k = torch.empty(B * G * NCH * nsplit, BC, BDK, device=q.device, dtype=torch.float32)
+        part_k = torch.empty(B * G * NCH * nsplit, BC, BDA + BDB, device=q.device, dtype=torch.float32)
         part_v = torch.empty(B * G * NCH * nsplit, BC, BDV, device=q.device, dtype=torch.float32)
         _cmp_dkdv_kernel[(NCH * nsplit, G, B)](
             q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse, delta, part_k, part_v,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, NCH,
-            BT=BT, BC=BC, NSPLIT=nsplit, **common, **lc)
+            BT=BT, BC=BC, BDA=BDA, BDB=BDB, NSPLIT=nsplit, **common, **lc)
         _cmp_dkdv_reduce_kernel[(NCH, G, B)](
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
-            DK=d_k, DV=d_v, BC=BC, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
+            DK=d_k, DV=d_v, BC=BC, PK=BDA + BDB, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
     if max_cmp:
         launch_fitting(f"{name}_dkdv", spec, launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
     dispatch.note("kernel", f"{name}_bwd", "triton")

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E
+from kernels.common import LOG2E, head_dim_parts, load_dk
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -58,20 +58,6 @@ CMP_TILE = 64                  # compressed tokens per tile of the compressed pa
 
 
 @triton.jit
-def _load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
-    """Rows [R] of pointers, each to a d_k vector, loaded as two power-of-two parts: ([R, BDA],
-    [R, BDB]), zero where not ``ok`` [R] or past d_k. BDB = 0: one part, returned twice (the
-    second is then unused)."""
-    offs_a = tl.arange(0, BDA)
-    a = tl.load(rows[:, None] + offs_a[None, :], mask=ok[:, None] & (offs_a[None, :] < DK), other=0.0)
-    b = a
-    if BDB > 0:
-        offs_b = BDA + tl.arange(0, BDB)
-        b = tl.load(rows[:, None] + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < DK), other=0.0)
-    return a, b
-
-
-@triton.jit
 def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
           DK: tl.constexpr, DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
           PREC: tl.constexpr, WANT_V: tl.constexpr):
@@ -81,7 +67,7 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
     fit on an SM); kp/vp [BN] row pointers; valid [BN]. Returns the new state, and p = exp2(s − m)
     [BH, BN] with the running max m [BH] it is relative to (s: the tile's scores in log2 units;
     p = 0 where not valid)."""
-    ka, kb = _load_dk(kp, valid, DK, BDA, BDB)
+    ka, kb = load_dk(kp, valid, DK, BDA, BDB)
     s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
     if BDB > 0:
         s += tl.dot(qb, tl.trans(kb), input_precision=PREC)
@@ -117,7 +103,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
-    qa, qb = _load_dk(Q + b * sqb + (g * H_PER_G + rows) * sqh, rows < H_PER_G, DK, BDA, BDB)
+    qa, qb = load_dk(Q + b * sqb + (g * H_PER_G + rows) * sqh, rows < H_PER_G, DK, BDA, BDB)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BDV], tl.float32)
@@ -369,13 +355,6 @@ class Plan:
         return self.C_CMP * self.cmp_tiles
 
 
-def _head_dim_parts(d: int) -> tuple[int, int]:
-    """d as (a, b): a the largest power of two <= d (at least 16), b the rest rounded up to a power
-    of two (0 when a covers d): 192 -> (128, 64), 128 -> (128, 0), 20 -> (16, 16)."""
-    a = max(16, 1 << (d.bit_length() - 1))
-    return a, (0 if d <= a else max(16, triton.next_power_of_2(d - a)))
-
-
 def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
     BN = max(16, triton.next_power_of_2(cfg.block_size))
@@ -387,7 +366,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
     tb = BNC * cfg.cmp_stride // cfg.block_size
     nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
-    BDA, BDB = _head_dim_parts(cfg.d_k)
+    BDA, BDB = head_dim_parts(cfg.d_k)
     return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),

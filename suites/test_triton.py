@@ -390,6 +390,28 @@ def test_cmp_varlen_split(dt, record, monkeypatch):
     _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
 
 
+@pytest.mark.parametrize("dk", [24, 48])
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_cmp_split_head_dim(dt, dk, record, monkeypatch):
+    """d_k that is not a power of two reaches the compressed dk/dv kernel as two power-of-two parts
+    (24 = 16 + 16 with the second masked, 48 = 32 + 16; the paper's 192 = 128 + 64 on a GPU):
+    o and the gradients vs the oracle on a varlen batch, the dk/dv split in 3 runs."""
+    dtype = DTYPES[dt]
+    cmp, _ = _require_cmp(dtype)
+    _split_dkdv(cmp, monkeypatch)
+    cfg = _cmp_cfg(CFG.heads_per_group[-1], dk, 16)
+    lens = [1, cfg.cmp_len + 5, 3 * cfg.block_size + 7]
+    q, kc, vc, ncmp = _cmp_inputs(cfg, lens, dtype, seed=dk, grad=True)
+    do = torch.randn(sum(lens), cfg.n_heads, 16, device=DEV).to(dtype)
+    with record.capture() as log:
+        o, lse = cmp.compressed_attention(q, kc, vc, cfg.cmp_len, cfg.cmp_stride, cu_seqlens(lens, DEV))
+        grads = torch.autograd.grad(o, (q, kc, vc), do)
+    record.expect_ran(log, "kernel", "cmp_fwd", "triton")
+    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
+    record.metrics.update(lens=lens, d_k=dk)
+    _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
+
+
 # -- sliding-window attention (kernels/window.py: the compressed kernels with a WINDOW bound) ----
 def _require_win(dtype):
     _require(dtype)
