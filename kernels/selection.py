@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, launch_fitting, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, head_dim_parts, launch_fitting, load_dk, pow2, precision
 from nsa_core import dispatch
 
 
@@ -63,21 +63,29 @@ def _load_rows(P, t, heads, row_ok, st, sh, D: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def _load_selected_block(K, V, IDX_ROW, s_i, bos, t_rel, g, skt, skh, svt, svh,
                          BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
-    """Slot s_i of a query's block list: (k [BN, BDK], v [BN, BDV], valid [BN]). A sentinel slot
+                         BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr):
+    """Slot s_i of a query's block list: (ka [BN, BDA], kb [BN, BDB], v [BN, BDV], valid [BN]),
+    d_k as two power-of-two parts (``common.head_dim_parts``; BDB = 0: kb unused). A sentinel slot
     (j = -1 gives kpos < 0), tokens past the query (causality) and tile padding read nothing."""
     offs_n = tl.arange(0, BN)
-    offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
     j = tl.load(IDX_ROW + s_i)
     kpos = j * BLOCK + offs_n
     valid = (offs_n < BLOCK) & (kpos >= 0) & (kpos <= t_rel)
     kt = (bos + kpos).to(tl.int64)
-    k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
-                mask=valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    ka, kb = load_dk(K + kt * skt + g * skh, valid, DK, BDA, BDB)
     v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
                 mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    return k, v, valid
+    return ka, kb, v, valid
+
+
+@triton.jit
+def _scores(qa, qb, ka, kb, BDB: tl.constexpr, PREC: tl.constexpr):
+    """q·kᵀ over both d_k parts: [BH, BN] fp32."""
+    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+    if BDB > 0:
+        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+    return s
 
 
 @triton.jit
@@ -86,19 +94,19 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
                     scale_log2,
                     H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr,
-                    BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
                     PREC: tl.constexpr):
     t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
     if t_rel < seq_len:
         offs_dv = tl.arange(0, BDV)
-        q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
+        qa, qb = load_dk(Q + t * sqt + heads * sqh, row_ok, DK, BDA, BDB)
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, BDV], tl.float32)
         for s_i in range(N_SEL):
-            k, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt, svh,
-                                               BLOCK, DK, DV, BN, BDK, BDV)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            ka, kb, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt,
+                                                    svh, BLOCK, DK, DV, BN, BDA, BDB, BDV)
+            s = _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
@@ -122,30 +130,39 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
                    scale, scale_log2,
                    H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr,
-                   BH: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                   BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
                    PREC: tl.constexpr):
     t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
     if t_rel < seq_len:
-        offs_dk = tl.arange(0, BDK)
-        q = _load_rows(Q, t, heads, row_ok, sqt, sqh, DK, BDK)
+        qa, qb = load_dk(Q + t * sqt + heads * sqh, row_ok, DK, BDA, BDB)
         do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
         o = _load_rows(O, t, heads, row_ok, sot, soh, DV, BDV)
         lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * LOG2E_C
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
-        dq = tl.zeros([BH, BDK], tl.float32)
+        dqa = tl.zeros([BH, BDA], tl.float32)
+        dqb = dqa
+        if BDB > 0:
+            dqb = tl.zeros([BH, BDB], tl.float32)
         for s_i in range(N_SEL):
-            k, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt, svh,
-                                               BLOCK, DK, DV, BN, BDK, BDV)
+            ka, kb, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt,
+                                                    svh, BLOCK, DK, DV, BN, BDA, BDB, BDV)
             # masked scores go to -inf before exp2: a score the forward never saw must not overflow
-            s = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            s = tl.where(valid[None, :], _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+            ds = (p * (dp - delta[:, None])).to(ka.dtype)
+            dqa += tl.dot(ds, ka, input_precision=PREC)
+            if BDB > 0:
+                dqb += tl.dot(ds, kb, input_precision=PREC)
+        offs_a = tl.arange(0, BDA)
+        tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_a[None, :], (dqa * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_a[None, :] < DK))
+        if BDB > 0:
+            offs_b = BDA + tl.arange(0, BDB)
+            tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_b[None, :], (dqb * scale).to(DQ.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_b[None, :] < DK))
 
 
 @triton.jit
@@ -155,9 +172,10 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
                      scale_log2,
                      H_PER_G: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      BHB: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
-                     BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
+                     BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr):
     """Partial dk/dv of one selection block and KV head from one segment of the queries that
-    selected it (QLIST[lo:hi]); written to the fp32 scratch row of this segment."""
+    selected it (QLIST[lo:hi]); written to the fp32 scratch row of this segment ([BN, BDA + BDB]
+    for dk: d_k as two power-of-two parts, ``common.head_dim_parts``)."""
     seg = tl.program_id(0)
     bucket = tl.load(SEG_BUCKET + seg)     # g · n_blk_slots + global block slot; -1: unused segment
     if bucket >= 0:
@@ -168,16 +186,17 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
         bos = tl.load(CU + b)
         eos = tl.load(CU + b + 1)
         offs_n = tl.arange(0, BN)
-        offs_dk = tl.arange(0, BDK)
         offs_dv = tl.arange(0, BDV)
         kt = start.to(tl.int64) + offs_n
         kpos = (start - bos) + offs_n
         kvalid = (offs_n < BLOCK) & (kt < eos)   # the last block of a sequence may be partial
-        k = tl.load(K + kt[:, None] * skt + g * skh + offs_dk[None, :],
-                    mask=kvalid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        ka, kb = load_dk(K + kt * skt + g * skh, kvalid, DK, BDA, BDB)
         v = tl.load(V + kt[:, None] * svt + g * svh + offs_dv[None, :],
                     mask=kvalid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        dk = tl.zeros([BN, BDK], tl.float32)
+        dka = tl.zeros([BN, BDA], tl.float32)
+        dkb = dka
+        if BDB > 0:
+            dkb = tl.zeros([BN, BDB], tl.float32)
         dv = tl.zeros([BN, BDV], tl.float32)
         lo = tl.load(SEG_LO + seg)
         hi = tl.load(SEG_HI + seg)
@@ -189,22 +208,28 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
             tq = tl.load(QLIST + qi, mask=in_list, other=0).to(tl.int64)
             row_ok = in_list & (hh < H_PER_G)
             head = g * H_PER_G + hh
-            q = tl.load(Q + tq[:, None] * sqt + head[:, None] * sqh + offs_dk[None, :],
-                        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            qa, qb = load_dk(Q + tq * sqt + head * sqh, row_ok, DK, BDA, BDB)
             do = tl.load(DO + tq[:, None] * sdot + head[:, None] * sdoh + offs_dv[None, :],
                          mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * LOG2E_C
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
             valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(valid, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+            s = tl.where(valid, _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+            ds = tl.trans((p * (dp - delta[:, None])).to(qa.dtype))
+            dka += tl.dot(ds, qa, input_precision=PREC)
+            if BDB > 0:
+                dkb += tl.dot(ds, qb, input_precision=PREC)
         seg64 = seg.to(tl.int64)
-        tl.store(PART_K + seg64 * (BN * BDK) + offs_n[:, None] * BDK + offs_dk[None, :], dk)
+        PK: tl.constexpr = BDA + BDB
+        offs_a = tl.arange(0, BDA)
+        tl.store(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_a[None, :], dka)
+        if BDB > 0:
+            offs_b = BDA + tl.arange(0, BDB)
+            tl.store(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_b[None, :], dkb)
         tl.store(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :], dv)
 
 
@@ -212,9 +237,9 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
 def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, DK_OUT, DV_OUT, n_blk_slots,
                             sdkt, sdkh, sdvt, sdvh, scale,
                             BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                            BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+                            BN: tl.constexpr, PK: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
     """dk/dv of one selection block and KV head: its segments summed in order (deterministic);
-    zero where no query selected the block."""
+    zero where no query selected the block. A PART_K row holds PK (<= BDK) columns."""
     gb = tl.program_id(0)
     g = tl.program_id(1)
     start = tl.load(BLK_START + gb)
@@ -230,7 +255,8 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
         first = tl.load(SEG_FIRST + g * n_blk_slots + gb).to(tl.int64)
         last = tl.load(SEG_FIRST + g * n_blk_slots + gb + 1).to(tl.int64)
         for seg64 in range(first, last):
-            dk += tl.load(PART_K + seg64 * (BN * BDK) + offs_n[:, None] * BDK + offs_dk[None, :])
+            dk += tl.load(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_dk[None, :],
+                          mask=offs_dk[None, :] < PK, other=0.0)
             dv += tl.load(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :])
         tl.store(DK_OUT + kt[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
                  mask=kvalid[:, None] & (offs_dk[None, :] < DK))
@@ -246,7 +272,11 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
 
     From a sweep on an H200 at 64k, H=64, G=4, d=128, bf16 (warps 2/4/8 x stages 1-4): fwd 2
     warps / 2 stages 15.4 ms (4 warps / 3 stages: 18.0 ms); dq 2/2 best; dk/dv 4 warps, stages
-    indifferent (2 warps and >1 stage collapse to 0.6-1.2 s). Wider heads get twice the warps.
+    indifferent (2 warps and >1 stage collapse to 0.6-1.2 s). On an H100 at 64k with d_k in two
+    power-of-two parts (192 = 128 + 64): d_k=192 fwd 2 warps 22.4 ms (4 warps 22.6, 8: 28.2; with
+    d_k padded to 256 and 4 warps the layer's stage took 27.2), dq 2 warps (backward 62.7; 8 warps
+    67.4), dk/dv 32 rows / 4 warps (backward 51.0; 128 rows / 8 warps 51.5; 64 rows 62.9-63.0);
+    d=128 unchanged (fwd 17.3 ms, backward 35.5-36.3).
     """
     wide = max(BDK, BDV) > 128
     # Measured on an H100 at the same shape (ncu): fwd and dq move 137-142 GB through L2 (the
@@ -257,9 +287,9 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms).
     if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
-        return [{"num_warps": 8 if wide else 4, "rows": 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
+        return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
                 {"num_warps": 4, "rows": 16, "num_stages": 1}]
-    return [{"num_warps": 4 if wide else 2, "num_stages": 2}, {"num_warps": 4 if wide else 2, "num_stages": 1}]
+    return [{"num_warps": 2, "num_stages": 2}, {"num_warps": 2, "num_stages": 1}]
 
 
 def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
@@ -310,6 +340,7 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     B = cu.numel() - 1
     if T and B and max_seqlen:
         BDK, BDV = pow2(dk), pow2(dv)
+        BDA, BDB = head_dim_parts(dk)
 
         def launch(lc):
             _sel_fwd_kernel[(max_seqlen, G, B)](
@@ -318,7 +349,7 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
                 block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                 scale * LOG2E,
                 H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
-                BH=pow2(h), BN=pow2(block_size), BDK=BDK, BDV=BDV, PREC=precision(q.dtype), **lc)
+                BH=pow2(h), BN=pow2(block_size), BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), **lc)
         launch_fitting("sel_fwd", (q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
                        launch)
         dispatch.note("kernel", "sel_fwd", "triton")
@@ -403,6 +434,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
     BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
+    BDA, BDB = head_dim_parts(d_k)
     spec = (q.device, q.dtype, h, d_k, d_v, block_size)
 
     def launch_dq(lc):
@@ -413,12 +445,12 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
             lse.stride(0), lse.stride(1),
             dq.stride(0), dq.stride(1), scale, scale * LOG2E,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
-            BH=pow2(h), BN=BN, BDK=BDK, BDV=BDV, PREC=prec, **lc)
+            BH=pow2(h), BN=BN, BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, **lc)
     launch_fitting("sel_dq", spec, launch_configs("dq", BDK, BDV), launch_dq)
     ri = reverse_index(block_idx, cu, block_size, SEGMENT)
     NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
     # fp32 partial sums of every segment; summed in segment order by the reduce kernel
-    part_k = torch.empty(NSEG, BN, BDK, device=q.device, dtype=torch.float32)
+    part_k = torch.empty(NSEG, BN, BDA + BDB, device=q.device, dtype=torch.float32)
     part_v = torch.empty(NSEG, BN, BDV, device=q.device, dtype=torch.float32)
     BHB = triton.next_power_of_2(h)
 
@@ -430,12 +462,12 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, rows // BHB), BN=BN,
-            BDK=BDK, BDV=BDV, PREC=prec, **lc)
+            BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, **lc)
     launch_fitting("sel_dkdv", spec, launch_configs("dkdv", BDK, BDV), launch_dkdv)
     _sel_dkdv_reduce_kernel[(NBU, G)](
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
-        BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, BDK=BDK, BDV=BDV, num_warps=4)
+        BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, PK=BDA + BDB, BDK=BDK, BDV=BDV, num_warps=4)
     dispatch.note("kernel", "sel_bwd", "triton")
     return dq, dk, dv
 
