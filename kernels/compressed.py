@@ -110,15 +110,15 @@ def _store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(P, row0, col0, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, TMA: tl.constexpr,
+def _load_tile(P, row0, head, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, TMA: tl.constexpr,
                ZERO: tl.constexpr):
-    """[ROWS, BD] rows of one head, zero past D and (ZERO) where ``ok`` is False. TMA: ``P`` is a
-    descriptor of a [rows, heads, D] tensor with block [ROWS // COLS, COLS, BD] loaded at
-    (row0, col0, 0) and flattened, zero-filled past the tensor's edges; rows of a neighbouring
-    sequence are real data, so a caller whose rows may cross one sets ZERO. Else ``P`` is a
-    pointer and ``base`` [ROWS] the rows' element offsets."""
+    """[ROWS, BD]: rows row0 .. row0 + ROWS of one head, zero past D and (ZERO) where ``ok`` is
+    False. TMA: ``P`` is a descriptor of a [rows, heads, D] tensor with block [ROWS, 1, BD]
+    (``common.descriptor``), zero-filled past the tensor's edges; rows of a neighbouring sequence
+    are real data, so a caller whose rows may cross into one and meet p = 0 there sets ZERO (0·NaN
+    is NaN). Else ``P`` is a pointer and ``base`` [ROWS] the rows' element offsets."""
     if TMA:
-        x = P.load([row0, col0, 0]).reshape(ROWS, BD)
+        x = P.load([row0, head, 0]).reshape(ROWS, BD)
         if ZERO:
             x = tl.where(ok[:, None], x, 0.0)
         return x
