@@ -27,6 +27,14 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cu_or_one(cu_seqlens: torch.Tensor | None, T: int, device) -> tuple[torch.Tensor, int | None]:
+    """(cu_seqlens, None); for None, the boundaries [0, T] of one sequence of T tokens (int32) and
+    its length T, which a launcher can take as max_seqlen without a device sync."""
+    if cu_seqlens is None:
+        return torch.tensor([0, T], dtype=torch.int32, device=device), T
+    return cu_seqlens, None
+
+
 # -- head dimensions as two power-of-two parts ----------------------------------------------------
 # d_k = 192 padded to one 256-wide tile wastes a quarter of every product over it and of the
 # registers holding it; as 128 + 64 it wastes nothing.
@@ -49,6 +57,15 @@ def load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
         offs_b = BDA + tl.arange(0, BDB)
         b = tl.load(rows[:, None] + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < DK), other=0.0)
     return a, b
+
+
+@triton.jit
+def dot_dk(qa, qb, ka, kb, BDB: tl.constexpr, PREC: tl.constexpr):
+    """q·kᵀ over both d_k parts (``load_dk``): [rows of q, rows of k] fp32."""
+    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+    if BDB > 0:
+        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+    return s
 
 
 # -- tensor descriptors (TMA) -----------------------------------------------------------------

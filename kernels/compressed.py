@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, descriptor, descriptors_usable, head_dim_parts, launch_fitting, load_dk,
-                            pow2, precision, usable)
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, dot_dk, head_dim_parts,
+                            launch_fitting, load_dk, pow2, precision, usable)
 from nsa_core import dispatch
 
 
@@ -276,10 +276,7 @@ def _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELT
     do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
     lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
-    if BDB > 0:
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
-    s = s * scale_log2
+    s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
     if MASKED:
         s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])                                              # [rows, BC]
@@ -582,7 +579,10 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
 
 
 # -- autograd ------------------------------------------------------------------------------
-class _CompressedAttention(torch.autograd.Function):
+class CompressedAttention(torch.autograd.Function):
+    """The kernels as one differentiable op in q, k_cmp, v_cmp; ``window`` > 0 is the sliding
+    window (``kernels.window``), 0 the compressed branch (``compressed_attention``)."""
+
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen, window):
         o, lse = compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp,
@@ -612,9 +612,8 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     from cu_seqlens); scale defaults to 1/sqrt(d_k); max_seqlen (the longest sequence) avoids a
     device sync when given. Returns (o [T, H, d_v], lse [T, H] fp32, not differentiable).
     """
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        max_seqlen = q.shape[0] if max_seqlen is None else max_seqlen
+    cu_seqlens, one = cu_or_one(cu_seqlens, q.shape[0], q.device)
+    max_seqlen = max_seqlen if max_seqlen is not None else one
     if cu_cmp is None:
         cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_len, cmp_stride)
-    return _CompressedAttention.apply(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen, 0)
+    return CompressedAttention.apply(q, k_cmp, v_cmp, cmp_len, cmp_stride, cu_seqlens, cu_cmp, scale, max_seqlen, 0)

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, descriptor, descriptors_usable, launch_fitting, pow2, precision, usable
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, launch_fitting, pow2, precision,
+                            usable)
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
@@ -199,9 +200,8 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_l
     if why:
         raise ValueError(why)
     T, H, dk = q.shape
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=q.device)
-        max_seqlen = T if max_seqlen is None else max_seqlen
+    cu_seqlens, one = cu_or_one(cu_seqlens, T, q.device)
+    max_seqlen = max_seqlen if max_seqlen is not None else one
     if cu_cmp is None:
         cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_len, cmp_stride)
     G, h = _check_cmp(q, k_cmp, k_cmp, cu_seqlens, cu_cmp)

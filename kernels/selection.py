@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, head_dim_parts, launch_fitting, load_dk, pow2, precision
+from kernels.common import LOG2E, LOG2E_C, cu_or_one, dot_dk, head_dim_parts, launch_fitting, load_dk, pow2, precision
 from nsa_core import dispatch
 
 
@@ -79,14 +79,6 @@ def _load_selected_block(K, V, IDX_ROW, s_i, bos, t_rel, g, skt, skh, svt, svh,
     return ka, kb, v, valid
 
 
-@triton.jit
-def _scores(qa, qb, ka, kb, BDB: tl.constexpr, PREC: tl.constexpr):
-    """q·kᵀ over both d_k parts: [BH, BN] fp32."""
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
-    if BDB > 0:
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
-    return s
-
 
 @triton.jit
 def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
@@ -106,7 +98,7 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
         for s_i in range(N_SEL):
             ka, kb, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt,
                                                     svh, BLOCK, DK, DV, BN, BDA, BDB, BDV)
-            s = _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2
+            s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
@@ -149,7 +141,7 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
             ka, kb, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt,
                                                     svh, BLOCK, DK, DV, BN, BDA, BDB, BDV)
             # masked scores go to -inf before exp2: a score the forward never saw must not overflow
-            s = tl.where(valid[None, :], _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
+            s = tl.where(valid[None, :], dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = (p * (dp - delta[:, None])).to(ka.dtype)
@@ -215,7 +207,7 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
             valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(valid, _scores(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
+            s = tl.where(valid, dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -319,17 +311,11 @@ def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
     return G, H // G
 
 
-def _cu(cu_seqlens, T, device):
-    if cu_seqlens is None:
-        return torch.tensor([0, T], dtype=torch.int32, device=device), T
-    return cu_seqlens, None
-
-
 def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None, *, scale=None,
                             max_seqlen: int | None = None, out=None, lse=None):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
     (e.g. NaN-poisoned buffers in tests); every valid row of both is written."""
-    cu, ms = _cu(cu_seqlens, q.shape[0], q.device)
+    cu, ms = cu_or_one(cu_seqlens, q.shape[0], q.device)
     G, h = _check(q, k, v, block_idx, cu, block_size)
     T, H, dk = q.shape
     dv = v.shape[2]
@@ -418,7 +404,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
                             scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None):
     """Backward launcher: returns (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype.
     Every row of the three is written (zero where no query reached a key)."""
-    cu, ms = _cu(cu_seqlens, q.shape[0], q.device)
+    cu, ms = cu_or_one(cu_seqlens, q.shape[0], q.device)
     G, h = _check(q, k, v, block_idx, cu, block_size)
     T, H, d_k = q.shape
     d_v = v.shape[2]
@@ -501,5 +487,5 @@ def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
     (None: one sequence of T tokens); scale defaults to 1/sqrt(d_k); max_seqlen (the longest
     sequence) avoids a device sync when given. Returns o [T, H, d_v].
     """
-    cu, _ = _cu(cu_seqlens, q.shape[0], q.device)
+    cu, _ = cu_or_one(cu_seqlens, q.shape[0], q.device)
     return _SelectionAttention.apply(q, k, v, block_idx, block_size, cu, scale, max_seqlen)

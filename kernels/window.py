@@ -21,17 +21,14 @@ from __future__ import annotations
 import torch
 
 from kernels import compressed
-
-
-def _cu(cu_seqlens, T, device):
-    return torch.tensor([0, T], dtype=torch.int32, device=device) if cu_seqlens is None else cu_seqlens
+from kernels.common import cu_or_one
 
 
 def window_attention_fwd(q, k, v, window: int, cu_seqlens=None, *, scale=None, max_seqlen: int | None = None,
                          out=None, lse=None):
     """Forward launcher: (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given (e.g.
     NaN-poisoned buffers in tests); every row of both is written."""
-    cu = _cu(cu_seqlens, q.shape[0], q.device)
+    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
     return compressed.compressed_attention_fwd(q, k, v, 1, 1, cu, cu, scale=scale, max_seqlen=max_seqlen,
                                                out=out, lse=lse, window=_check(window))
 
@@ -39,9 +36,15 @@ def window_attention_fwd(q, k, v, window: int, cu_seqlens=None, *, scale=None, m
 def window_attention_bwd(do, q, k, v, o, lse, window: int, cu_seqlens=None, *, scale=None,
                          max_seqlen: int | None = None):
     """Backward launcher: (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype; every row written."""
-    cu = _cu(cu_seqlens, q.shape[0], q.device)
+    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
     return compressed.compressed_attention_bwd(do, q, k, v, o, lse, 1, 1, cu, cu, scale=scale, max_seqlen=max_seqlen,
                                                window=_check(window))
+
+
+def _sequences(q, cu_seqlens, max_seqlen):
+    """(cu_seqlens, max_seqlen), one sequence of all of q's tokens where cu_seqlens is None."""
+    cu, one = cu_or_one(cu_seqlens, q.shape[0], q.device)
+    return cu, one if max_seqlen is None else max_seqlen
 
 
 def _check(window: int) -> int:
@@ -60,8 +63,6 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     sequence of T tokens); scale defaults to 1/sqrt(d_k); max_seqlen (the longest sequence)
     avoids a device sync when given.
     """
-    if cu_seqlens is None:
-        max_seqlen = q.shape[0] if max_seqlen is None else max_seqlen
-    cu = _cu(cu_seqlens, q.shape[0], q.device)
-    o, _ = compressed._CompressedAttention.apply(q, k, v, 1, 1, cu, cu, scale, max_seqlen, _check(window))
+    cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
+    o, _ = compressed.CompressedAttention.apply(q, k, v, 1, 1, cu, cu, scale, max_seqlen, _check(window))
     return o

@@ -171,36 +171,13 @@ def _varlen_case(dt):
     return dtype, sel, G, L, n, h, dk, dv, lens, sum(lens)
 
 
-@pytest.mark.parametrize("dt", CFG.dtypes)
-def test_varlen(dt, record):
-    """One packed batch with an empty, a 1-token and off-grid sequences: fwd and grads vs oracle."""
-    dtype, sel, G, L, n, h, dk, dv, lens, T = _varlen_case(dt)
-    q, k, v = _qkv(T, G, h, dk, dv, dtype, seed=7, grad=True)
-    idx = _block_idx(lens, G, L, n, seed=7)
-    do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
-    with record.capture() as log:
-        o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV))
-        grads = torch.autograd.grad(o, (q, k, v), do)
-    record.expect_ran(log, "kernel", "sel_fwd", "triton")
-    record.expect_ran(log, "kernel", "sel_bwd", "triton")
-    o32, g32 = _oracle_grads(q, k, v, idx, lens, L, do, torch.float32)
-    olp, glp = _oracle_grads(q, k, v, idx, lens, L, do, dtype) if _lp(dtype) else (None, (None,) * 3)
-    record.check("o", o, o32, olp, dtype=dtype)
-    for name, got, r32, rlp in zip(("dq", "dk", "dv"), grads, g32, glp):
-        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
-    record.metrics["lens"] = lens
-    record.assert_ok()
-
-
-@pytest.mark.parametrize("dk", [24, 48])
-@pytest.mark.parametrize("dt", CFG.dtypes)
-def test_split_head_dim(dt, dk, record):
-    """d_k that is not a power of two reaches the selection kernels as two power-of-two parts
-    (24 = 16 + 16 with the second masked, 48 = 32 + 16; the paper's 192 = 128 + 64 on a GPU):
-    o and the gradients vs the oracle on a varlen batch."""
-    dtype, sel, G, L, n, h, _, dv, lens, T = _varlen_case(dt)
-    q, k, v = _qkv(T, G, h, dk, dv, dtype, seed=dk, grad=True)
-    idx = _block_idx(lens, G, L, n, seed=dk)
+def _check_varlen(record, dt, seed: int, dk: int | None = None):
+    """The varlen batch through the autograd wrapper, o and grads vs the oracle (d_k: the
+    profile's, or ``dk``)."""
+    dtype, sel, G, L, n, h, dk_cfg, dv, lens, T = _varlen_case(dt)
+    dk = dk or dk_cfg
+    q, k, v = _qkv(T, G, h, dk, dv, dtype, seed=seed, grad=True)
+    idx = _block_idx(lens, G, L, n, seed=seed)
     do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
     with record.capture() as log:
         o = sel.selection_attention(q, k, v, idx, L, cu_seqlens(lens, DEV))
@@ -214,6 +191,21 @@ def test_split_head_dim(dt, dk, record):
         record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
     record.metrics.update(lens=lens, d_k=dk)
     record.assert_ok()
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_varlen(dt, record):
+    """One packed batch with an empty, a 1-token and off-grid sequences: fwd and grads vs oracle."""
+    _check_varlen(record, dt, seed=7)
+
+
+@pytest.mark.parametrize("dk", [24, 48])
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_split_head_dim(dt, dk, record):
+    """d_k that is not a power of two reaches the selection kernels as two power-of-two parts
+    (24 = 16 + 16 with the second masked, 48 = 32 + 16; the paper's 192 = 128 + 64 on a GPU):
+    o and the gradients vs the oracle on a varlen batch."""
+    _check_varlen(record, dt, seed=dk, dk=dk)
 
 
 @pytest.mark.parametrize("dt", CFG.dtypes)
@@ -397,20 +389,26 @@ def test_cmp_varlen_split(dt, record, monkeypatch):
     """A packed batch with an empty, a 1-token, a shorter-than-l and off-grid sequences, through
     the autograd wrapper; dk/dv split every chunk's queries in 3 runs (``split_len`` cut to 16)
     so the ordered reduce of the partials is exercised at these sizes."""
-    dtype = DTYPES[dt]
-    cmp, _ = _require_cmp(dtype)
-    _split_dkdv(cmp, monkeypatch)
     h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
     cfg = _cmp_cfg(h, dk, dv)
     lens = sorted(set(CFG.varlen_lens) | {cfg.cmp_len - 2, 3 * cfg.block_size + 5})
-    q, kc, vc, ncmp = _cmp_inputs(cfg, lens, dtype, seed=13, grad=True)
-    do = torch.randn(sum(lens), cfg.n_heads, dv, device=DEV).to(dtype)
+    _check_cmp_varlen(record, dt, monkeypatch, cfg, lens, seed=13)
+
+
+def _check_cmp_varlen(record, dt, monkeypatch, cfg: NSAConfig, lens: list[int], seed: int):
+    """A packed batch of ``lens`` through the autograd wrapper with dk/dv split in 3 runs: o, lse
+    and the gradients vs the oracle."""
+    dtype = DTYPES[dt]
+    cmp, _ = _require_cmp(dtype)
+    _split_dkdv(cmp, monkeypatch)
+    q, kc, vc, ncmp = _cmp_inputs(cfg, lens, dtype, seed=seed, grad=True)
+    do = torch.randn(sum(lens), cfg.n_heads, cfg.d_v, device=DEV).to(dtype)
     with record.capture() as log:
         o, lse = cmp.compressed_attention(q, kc, vc, cfg.cmp_len, cfg.cmp_stride, cu_seqlens(lens, DEV))
         grads = torch.autograd.grad(o, (q, kc, vc), do)
     record.expect_ran(log, "kernel", "cmp_fwd", "triton")
     record.expect_ran(log, "kernel", "cmp_bwd", "triton")
-    record.metrics.update(lens=lens, cmp_lens=ncmp)
+    record.metrics.update(lens=lens, cmp_lens=ncmp, d_k=cfg.d_k)
     _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
 
 
@@ -420,20 +418,8 @@ def test_cmp_split_head_dim(dt, dk, record, monkeypatch):
     """d_k that is not a power of two reaches the compressed dk/dv kernel as two power-of-two parts
     (24 = 16 + 16 with the second masked, 48 = 32 + 16; the paper's 192 = 128 + 64 on a GPU):
     o and the gradients vs the oracle on a varlen batch, the dk/dv split in 3 runs."""
-    dtype = DTYPES[dt]
-    cmp, _ = _require_cmp(dtype)
-    _split_dkdv(cmp, monkeypatch)
     cfg = _cmp_cfg(CFG.heads_per_group[-1], dk, 16)
-    lens = [1, cfg.cmp_len + 5, 3 * cfg.block_size + 7]
-    q, kc, vc, ncmp = _cmp_inputs(cfg, lens, dtype, seed=dk, grad=True)
-    do = torch.randn(sum(lens), cfg.n_heads, 16, device=DEV).to(dtype)
-    with record.capture() as log:
-        o, lse = cmp.compressed_attention(q, kc, vc, cfg.cmp_len, cfg.cmp_stride, cu_seqlens(lens, DEV))
-        grads = torch.autograd.grad(o, (q, kc, vc), do)
-    record.expect_ran(log, "kernel", "cmp_fwd", "triton")
-    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
-    record.metrics.update(lens=lens, d_k=dk)
-    _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads)
+    _check_cmp_varlen(record, dt, monkeypatch, cfg, [1, cfg.cmp_len + 5, 3 * cfg.block_size + 7], seed=dk)
 
 
 # -- sliding-window attention (kernels/window.py: the compressed kernels with a WINDOW bound) ----
