@@ -60,11 +60,11 @@ def load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
 
 
 @triton.jit
-def dot_dk(qa, qb, ka, kb, BDB: tl.constexpr, PREC: tl.constexpr):
-    """q·kᵀ over both d_k parts (``load_dk``): [rows of q, rows of k] fp32."""
-    s = tl.dot(qa, tl.trans(ka), input_precision=PREC)
+def dot_dk(xa, xb, ya, yb, BDB: tl.constexpr, PREC: tl.constexpr):
+    """x·yᵀ over both d_k parts (``load_dk``), e.g. q·kᵀ or k·qᵀ: [rows of x, rows of y] fp32."""
+    s = tl.dot(xa, tl.trans(ya), input_precision=PREC)
     if BDB > 0:
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PREC)
+        s = tl.dot(xb, tl.trans(yb), s, input_precision=PREC)
     return s
 
 

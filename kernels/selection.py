@@ -206,15 +206,16 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
             lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * LOG2E_C
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
-            valid = row_ok[:, None] & kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(valid, dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
-            p = tl.exp2(s - lse2[:, None])
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = tl.trans((p * (dp - delta[:, None])).to(qa.dtype))
-            dka += tl.dot(ds, qa, input_precision=PREC)
+            # key-major [BN, rows] (k·qᵀ): pᵀ and dSᵀ are computed in the layout dk/dv take
+            valid = kvalid[:, None] & row_ok[None, :] & (kpos[:, None] <= qpos[None, :])
+            st = tl.where(valid, dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2, float("-inf"))
+            pt = tl.exp2(st - lse2[None, :])
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = (pt * (dpt - delta[None, :])).to(qa.dtype)
+            dka += tl.dot(dst, qa, input_precision=PREC)
             if BDB > 0:
-                dkb += tl.dot(ds, qb, input_precision=PREC)
+                dkb += tl.dot(dst, qb, input_precision=PREC)
         seg64 = seg.to(tl.int64)
         PK: tl.constexpr = BDA + BDB
         offs_a = tl.arange(0, BDA)
@@ -277,7 +278,11 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # 64-row tiles zeroed past the query) was slower at every warps/stages tried: fwd 27.6-105 ms
     # vs 17.2, dq 28-107 ms vs 17.8.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
-    # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms).
+    # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
+    # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
+    # vs 36.0 ms at d=128 (dk/dv kernel 14.1 vs 16.0 ms in the layer), 44.1 vs 49.6 ms at d_k=192;
+    # rows 32 the same (34.0 / 43.7), 128 rows or 8 warps 47-67 ms. (The compressed dk/dv kernel,
+    # written the same way, was no faster at d=128 and slower at d_k=192: 76.0 vs 50.8 ms.)
     if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
         return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
                 {"num_warps": 4, "rows": 16, "num_stages": 1}]
