@@ -135,12 +135,13 @@ def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
 
 @triton.jit
 def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr):
-    """[rows, BC]: query row at position t_rel uses key i (it ended, i·d + l − 1 <= t, and, with a
-    window, within the last w positions, i·d + l − 1 > t − w); both valid."""
-    end = i[None, :] * CMP_STRIDE + CMP_LEN - 1
-    vis = ok[:, None] & inb[None, :] & (end <= t_rel[:, None])
+    """Query at position t_rel uses key i (it ended, i·d + l − 1 <= t, and, with a window, within
+    the last w positions, i·d + l − 1 > t − w); both valid. Keys and queries come as broadcastable
+    vectors: i[None, :] with t_rel[:, None] gives [rows, BC], i[:, None] with t_rel[None, :] [BC, rows]."""
+    end = i * CMP_STRIDE + CMP_LEN - 1
+    vis = ok & inb & (end <= t_rel)
     if WINDOW > 0:
-        vis = vis & (end > t_rel[:, None] - WINDOW)
+        vis = vis & (end > t_rel - WINDOW)
     return vis
 
 
@@ -158,7 +159,8 @@ def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh,
     k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, False)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
+        vis = _visible(i[None, :], inb[None, :], t_rel[:, None], ok[:, None], CMP_LEN, CMP_STRIDE, WINDOW)
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; shift by 0 instead (no inf - inf)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -222,7 +224,8 @@ def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt,
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
         # masked scores go to -inf before exp2: a score the forward never saw must not overflow
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
+        vis = _visible(i[None, :], inb[None, :], t_rel[:, None], ok[:, None], CMP_LEN, CMP_STRIDE, WINDOW)
+        s = tl.where(vis, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
@@ -276,16 +279,19 @@ def _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELT
     do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
     lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-    s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
+    # key-major [BC, rows] scores (k·qᵀ): pᵀ and dSᵀ come out in the layout the dk/dv products
+    # take, so no computed tile is transposed in registers (only the loaded q and dO are read transposed)
+    st = dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2
     if MASKED:
-        s = tl.where(_visible(i, inb, t_rel, ok, CMP_LEN, CMP_STRIDE, WINDOW), s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])                                              # [rows, BC]
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = tl.trans((p * (dp - delta[:, None])).to(qa.dtype))
-    dka += tl.dot(ds, qa, input_precision=PREC)
+        st = tl.where(_visible(i[:, None], inb[:, None], t_rel[None, :], ok[None, :], CMP_LEN, CMP_STRIDE, WINDOW),
+                      st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])                                            # [BC, rows]
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = (pt * (dpt - delta[None, :])).to(qa.dtype)
+    dka += tl.dot(dst, qa, input_precision=PREC)
     if BDB > 0:
-        dkb += tl.dot(ds, qb, input_precision=PREC)
+        dkb += tl.dot(dst, qb, input_precision=PREC)
     return dka, dkb, dv
 
 
@@ -410,7 +416,15 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     40.6-49.6 ms (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at
     the end of the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC
     32: 27-49 ms); at d_k=192 dq 128 rows / 8 warps 20.0 ms (64 rows / 4 warps: 27.1) and dk/dv BC
-    32 / 4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4)."""
+    32 / 4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4).
+
+    dk/dv with key-major scores (k·qᵀ, ``_dkdv_tile``) and chunks of 128 keys: 64 rows / 8 warps /
+    3 stages, whole backward 30.3 ms at d=128 vs 34.5 for the query-major kernel's best (64 rows /
+    BC 64 / 4 warps; key-major at those settings 35.0; 2 stages 32.5, 1 stage 34.8, 128 rows 59.9,
+    32 rows 38.7, 4 warps 69.8-81.0); at d_k=192, 2 stages, 45.2 vs 50.4 ms (32 rows 48.7; BC 64:
+    65.8-68.1; 128 rows / BC 128 out of shared memory). As the window (w=512): 10.4 vs 12.3 ms at
+    d=128, 15.4 vs 18.1 at d_k=192. dq with 128 rows / BC 32 or 64, or 64 rows / BC 32: no faster
+    (35.3-38.7 ms at d=128)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -430,7 +444,7 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         tma = measured if itemsize == 2 else []
     else:                        # split_len: a split gets at least this many queries (short sequences are not split)
         split = {"NSPLIT": 8, "split_len": 4096}
-        measured = [{"BT": bt(128), "BC": 64, **split, "num_warps": 8, "num_stages": 2} if wide else
+        measured = [{"BT": bt(64), "BC": 128, **split, "num_warps": 8, "num_stages": 2 if wide else 3},
                     {"BT": bt(64), "BC": 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
     configs = [{**c, "tma": True} for c in tma] + measured + smaller
