@@ -276,7 +276,9 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # selected K/V blocks; 5.7-8.7 GB from DRAM) at 76-79% of L2 peak: bandwidth-bound, not
     # compute-bound. Loading the blocks as TMA tiles (host TensorDescriptor, triton 3.6, whole
     # 64-row tiles zeroed past the query) was slower at every warps/stages tried: fwd 27.6-105 ms
-    # vs 17.2, dq 28-107 ms vs 17.8.
+    # vs 17.2, dq 28-107 ms vs 17.8. A program walking 2, 4 or 8 consecutive tokens in turn (so
+    # the blocks neighbours share, block 0 and the local two, could come from L1) was slower too:
+    # fwd 18.5-19.9 vs 17.4 ms, backward 35.1-37.3 vs 34.7 ms (d 128; d_k 192 likewise).
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
