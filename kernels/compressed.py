@@ -127,6 +127,27 @@ def _load_tile(P, row0, head, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS:
 
 
 @triton.jit
+def _load_tile_dk(PA, PB, row0, head, base, ok, D: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+                  ROWS: tl.constexpr, TMA: tl.constexpr, ZERO: tl.constexpr):
+    """``_load_tile`` of d_k-wide rows as two power-of-two parts (``common.head_dim_parts``):
+    ([ROWS, BDA], [ROWS, BDB]). TMA: ``PA`` / ``PB`` are descriptors with blocks [ROWS, 1, BDA] /
+    [ROWS, 1, BDB] of the same tensor (PB loads from column BDA); else ``PA`` is a pointer and
+    ``base`` [ROWS] the rows' element offsets. BDB = 0: one part, returned twice (unused)."""
+    if TMA:
+        a = PA.load([row0, head, 0]).reshape(ROWS, BDA)
+        b = a
+        if BDB > 0:
+            b = PB.load([row0, head, BDA]).reshape(ROWS, BDB)
+        if ZERO:
+            a = tl.where(ok[:, None], a, 0.0)
+            if BDB > 0:
+                b = tl.where(ok[:, None], b, 0.0)
+        return a, b
+    else:
+        return load_dk(PA + base, ok, D, BDA, BDB)
+
+
+@triton.jit
 def _n_cmp(t, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr):
     """Keys that have ended by position t, i.e. with i·d + l − 1 <= t (integer division truncates:
     guard t + 1 < l, which also covers a negative t)."""
@@ -146,18 +167,19 @@ def _visible(i, inb, t_rel, ok, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr,
 
 
 @triton.jit
-def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
+def _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt, skh, svt, svh, scale_log2,
                CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+               BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                WITH_O: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """One online-softmax step over compressed tokens [c0, c0 + BC). MASKED=False where every row
-    of the tile sees every token of the chunk (no per-element visibility test)."""
+    of the tile sees every token of the chunk (no per-element visibility test). q and the keys
+    come as two d_k parts (qa/qb, ``_load_tile_dk``)."""
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
     # a masked chunk's scores out of sight go to -inf below, so its keys need no zeroing; its values do
-    k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, False)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    ka, kb = _load_tile_dk(KC, KCB, cbos + c0, g, kc * skt + g * skh, inb, DK, BDA, BDB, BC, TMA, False)
+    s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
     if MASKED:
         vis = _visible(i[None, :], inb[None, :], t_rel[:, None], ok[:, None], CMP_LEN, CMP_STRIDE, WINDOW)
         s = tl.where(vis, s, float("-inf"))
@@ -174,33 +196,33 @@ def _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh,
 
 
 @triton.jit
-def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
+def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                    BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                    BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                     WITH_O: tl.constexpr, TMA: tl.constexpr):
     """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
     block scoring when the compressed branch itself ran elsewhere)."""
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
-        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+        qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
         lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
         m_i = tl.full([BT * BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BT * BH], tl.float32)
         acc = tl.zeros([BT * BH, BDV], tl.float32)
         if WINDOW > 0:
             for c0 in range(lo, a, BC):
-                acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+                acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt, skh, svt, svh,
+                                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV, PREC, WITH_O,
                                            True, TMA)
         for c0 in range(a, b, BC):
-            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt, skh, svt, svh,
+                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV, PREC, WITH_O,
                                        False, TMA)
         for c0 in range(b, n_hi, BC):
-            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, WITH_O,
+            acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt, skh, svt, svh,
+                                       scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV, PREC, WITH_O,
                                        True, TMA)
         empty = l_i == 0.0
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
@@ -210,38 +232,43 @@ def _cmp_fwd_kernel(Q, KC, VC, CU, CUC, O, LSE,
 
 
 @triton.jit
-def _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh, scale_log2,
-              CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
-              TMA: tl.constexpr):
-    """dq += dS·K over compressed tokens [c0, c0 + BC) (MASKED=False: every row sees the whole chunk)."""
+def _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt, skh, svt, svh,
+              scale_log2, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr,
+              DV: tl.constexpr, BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
+              PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """dq += dS·K over compressed tokens [c0, c0 + BC) (MASKED=False: every row sees the whole
+    chunk); q, K and dq as two d_k parts."""
     i = c0 + tl.arange(0, BC)
     inb = i < n_hi
     kc = (cbos + i).to(tl.int64)
     # out of sight: p = 0 (the scores are masked); dS·K and dO·Vᵀ must not meet another sequence's NaN
-    k = _load_tile(KC, cbos + c0, g, kc * skt + g * skh, inb, DK, BDK, BC, TMA, MASKED)
+    ka, kb = _load_tile_dk(KC, KCB, cbos + c0, g, kc * skt + g * skh, inb, DK, BDA, BDB, BC, TMA, MASKED)
     v = _load_tile(VC, cbos + c0, g, kc * svt + g * svh, inb, DV, BDV, BC, TMA, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
     if MASKED:
         # masked scores go to -inf before exp2: a score the forward never saw must not overflow
         vis = _visible(i[None, :], inb[None, :], t_rel[:, None], ok[:, None], CMP_LEN, CMP_STRIDE, WINDOW)
         s = tl.where(vis, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    ds = (p * (dp - delta[:, None])).to(ka.dtype)
+    dqa += tl.dot(ds, ka, input_precision=PREC)
+    if BDB > 0:
+        dqb += tl.dot(ds, kb, input_precision=PREC)
+    return dqa, dqb
 
 
 @triton.jit
-def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
+def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
                    scale, scale_log2,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                   BC: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+                   BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                   TMA: tl.constexpr):
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
-        q = _load_2d(Q, t * sqt + head * sqh, ok, DK, BDK)
+        qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
         do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
         o = _load_2d(O, t * sot + head * soh, ok, DV, BDV)
         lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
@@ -249,18 +276,26 @@ def _cmp_dq_kernel(Q, KC, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
         lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
-        dq = tl.zeros([BT * BH, BDK], tl.float32)
+        dqa = tl.zeros([BT * BH, BDA], tl.float32)
+        dqb = dqa
+        if BDB > 0:
+            dqb = tl.zeros([BT * BH, BDB], tl.float32)
         if WINDOW > 0:
             for c0 in range(lo, a, BC):
-                dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                               scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, True, TMA)
+                dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
+                                     skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
+                                     PREC, True, TMA)
         for c0 in range(a, b, BC):
-            dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, False, TMA)
+            dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
+                                 skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
+                                 PREC, False, TMA)
         for c0 in range(b, n_hi, BC):
-            dq = _dq_chunk(dq, q, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, VC, skt, skh, svt, svh,
-                           scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDK, BDV, PREC, True, TMA)
-        _store_2d(DQ, t * sdqt + head * sdqh, dq * scale, ok, DK, BDK)
+            dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
+                                 skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
+                                 PREC, True, TMA)
+        _store_2d(DQ, t * sdqt + head * sdqh, dqa * scale, ok, DK, BDA)
+        if BDB > 0:
+            _store_2d(DQ + BDA, t * sdqt + head * sdqh, dqb * scale, ok, DK - BDA, BDB)
 
 
 @triton.jit
@@ -424,7 +459,12 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     32 rows 38.7, 4 warps 69.8-81.0); at d_k=192, 2 stages, 45.2 vs 50.4 ms (32 rows 48.7; BC 64:
     65.8-68.1; 128 rows / BC 128 out of shared memory). As the window (w=512): 10.4 vs 12.3 ms at
     d=128, 15.4 vs 18.1 at d_k=192. dq with 128 rows / BC 32 or 64, or 64 rows / BC 32: no faster
-    (35.3-38.7 ms at d=128)."""
+    (35.3-38.7 ms at d=128).
+
+    The forward and dq with d_k in two parts as well (``_load_tile_dk``, two descriptors), at
+    d_k=192 and the settings above: compressed forward 11.9 vs 12.8 ms, backward 44.1 vs 45.4;
+    window forward 4.8 vs 5.1, backward 14.6 vs 15.2 (outputs bit-identical). Other settings at
+    d_k=192: forward 128 rows / 8 warps 12.6 (4 warps 13.4-14.3), dq 64 rows / 4 warps 45.2-47.6."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -475,6 +515,13 @@ def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
     return G, H // G
 
 
+def _key_descriptors(k: torch.Tensor, rows: int, BDA: int, BDB: int):
+    """Descriptors loading [rows, 1, BDA] and [rows, 1, BDB] tiles of k [N, G, d_k]: its two d_k
+    parts (``_load_tile_dk``; BDB = 0: the first, twice)."""
+    a = descriptor(k, [rows, 1, BDA])
+    return a, (descriptor(k, [rows, 1, BDB]) if BDB else a)
+
+
 def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_len: int, cmp_stride: int) -> torch.Tensor:
     """cu_cmp [B+1] int32: boundaries of each sequence's compressed tokens, from cu_seqlens (no sync)."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -511,20 +558,22 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
         tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
         name = "win" if window else "cmp"
 
+        BDA, BDB = head_dim_parts(dk)                   # d_k as two power-of-two parts (192: 128 + 64)
+
         def launch(lc):
             BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
-            kc, vc = k_cmp, v_cmp
+            kc, kcb, vc = k_cmp, k_cmp, v_cmp
             if use_tma:
-                kc = descriptor(k_cmp, [lc["BC"], 1, BDK])
+                kc, kcb = _key_descriptors(k_cmp, lc["BC"], BDA, BDB)
                 vc = descriptor(v_cmp, [lc["BC"], 1, BDV]) if with_o else kc
                 dispatch.note("kernel", f"{name}_fwd@tma", "triton")
             _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-                q, kc, vc, cu_seqlens, cu_cmp, o_arg, lse,
+                q, kc, kcb, vc, cu_seqlens, cu_cmp, o_arg, lse,
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
                 o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=dk, DV=dv, BT=BT,
                 BH=triton.next_power_of_2(h),
-                BDK=BDK, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, TMA=use_tma, **lc)
+                BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, TMA=use_tma, **lc)
         launch_fitting(f"{name}_fwd", (q.device, q.dtype, h, dk, dv, with_o, tma),
                        usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0), tma),
                        launch)
@@ -553,22 +602,22 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH,
                   BDV=BDV, PREC=prec)
-    BDA, BDB = head_dim_parts(d_k)                       # dk/dv: d_k as two power-of-two parts
+    BDA, BDB = head_dim_parts(d_k)                       # d_k as two power-of-two parts (192: 128 + 64)
     name = "win" if window else "cmp"
     tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
     spec = (q.device, q.dtype, h, d_k, d_v, tma)
 
     def launch_dq(lc):
         BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
-        kc, vc = k_cmp, v_cmp
+        kc, kcb, vc = k_cmp, k_cmp, v_cmp
         if use_tma:
-            kc, vc = descriptor(k_cmp, [lc["BC"], 1, BDK]), descriptor(v_cmp, [lc["BC"], 1, BDV])
+            (kc, kcb), vc = _key_descriptors(k_cmp, lc["BC"], BDA, BDB), descriptor(v_cmp, [lc["BC"], 1, BDV])
             dispatch.note("kernel", f"{name}_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, kc, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
+            q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, BDK=BDK, TMA=use_tma, **common, **lc)
+            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB, TMA=use_tma, **common, **lc)
     launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
     def launch_dkdv(lc):
