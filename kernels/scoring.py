@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, launch_fitting, pow2, precision,
-                            usable)
-from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile, _n_cmp, _seq, cmp_cu_seqlens
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, dot_dk, head_dim_parts,
+                            launch_fitting, pow2, precision, usable)
+from kernels.compressed import (_check as _check_cmp, _grid_sizes, _key_descriptors, _load_tile_dk, _n_cmp, _seq,
+                                cmp_cu_seqlens)
 from nsa_core import dispatch
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
@@ -60,11 +61,11 @@ def _insert_top(top, key):
 
 
 @triton.jit
-def _score_chunk(top, carry, Q, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC,
+def _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC, KCB,
                  sqt, sqh, skt, skh, slt, slh, scale_log2,
                  CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
-                 BT: tl.constexpr, BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr,
-                 MASKED: tl.constexpr, TMA: tl.constexpr):
+                 BT: tl.constexpr, BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+                 PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """Blocks [c·BB, (c+1)·BB) into the running top list: the probabilities of the chunk's BCS
     compressed tokens are summed over the group's heads first, then mapped onto blocks once
     (the mapping is linear). MASKED=False where every token of the tile sees the whole chunk.
@@ -73,16 +74,17 @@ def _score_chunk(top, carry, Q, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos
     i = c * BCS + tl.arange(0, BCS)
     inb = i < n_hi
     # keys past n_hi: masked out of psum below (MASKED), so they need no zeroing
-    k = _load_tile(KC, cbos + c * BCS, g, (cbos + i).to(tl.int64) * skt + g * skh, inb, DK, BDK, BCS, TMA, False)
+    ka, kb = _load_tile_dk(KC, KCB, cbos + c * BCS, g, (cbos + i).to(tl.int64) * skt + g * skh, inb, DK, BDA, BDB, BCS,
+                           TMA, False)
     if MASKED:
         vis = tok_ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= tok[:, None])
     psum = tl.zeros([BT, BCS], tl.float32)
     for hh in range(H_PER_G):
         head = g * H_PER_G + hh
-        q = _load_tile(Q, bos + t0, head, t * sqt + head * sqh, tok_ok, DK, BDK, BT, TMA, False)
+        qa, qb = _load_tile_dk(Q, QB, bos + t0, head, t * sqt + head * sqh, tok_ok, DK, BDA, BDB, BT, TMA, False)
         # rows past the sequence load lse = +inf: p = 0
         lse2 = tl.load(LSE + t * slt + head * slh, mask=tok_ok, other=float("inf")) * LOG2E_C
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2
         if MASKED:
             psum += tl.where(vis, tl.exp2(tl.where(vis, s, 0.0) - lse2[:, None]), 0.0)
         else:
@@ -100,12 +102,12 @@ def _score_chunk(top, carry, Q, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos
 
 
 @triton.jit
-def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
+def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
                        sqt, sqh, skt, skh, slt, slh, sit, sig, scale_log2,
                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
                        H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr,
-                       BB: tl.constexpr, BCS: tl.constexpr, BDK: tl.constexpr, PREC: tl.constexpr,
-                       TMA: tl.constexpr):
+                       BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
+                       PREC: tl.constexpr, TMA: tl.constexpr):
     g = tl.program_id(1)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     t0 = tl.program_id(0) * BT
@@ -126,13 +128,13 @@ def _score_topn_kernel(Q, KC, LSE, CU, CUC, IDX,
         top = -1 - jb[None, :].to(tl.int64) + tl.zeros([BT, BB], tl.int64)   # empty slots: distinct, < 0
         carry = tl.zeros([BT], tl.float32)
         for c in range(0, c_full):
-            top, carry = _score_chunk(top, carry, Q, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next,
-                                      KC, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK,
-                                      BT, BB, BCS, BDK, PREC, False, TMA)
+            top, carry = _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
+                                      ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
+                                      H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA)
         for c in range(c_full, t_last // BLOCK // BB + 1):
-            top, carry = _score_chunk(top, carry, Q, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next,
-                                      KC, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, H_PER_G, DK,
-                                      BT, BB, BCS, BDK, PREC, True, TMA)
+            top, carry = _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
+                                      ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
+                                      H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA)
         # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending
         top = tl.sort(top, 1, descending=True)
         taken = (top >= 0) & (jb[None, :] < N_SEL)
@@ -169,20 +171,22 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     kernel that mapped every head onto blocks before summing them took 15.4 and 21.5 ms. With q
     and the compressed keys loaded through tensor descriptors (``tma``): d_k=128 BT 64 / 4 warps /
     3 stages 8.2 ms vs 8.8 with pointer loads (2 stages 10.2; BT 128 / 8 warps 13.3); d_k=192 BT 64
-    / 4 warps / 2 stages 13.9 ms vs 15.6 (BT 128 / 8 warps 16.8)."""
+    / 4 warps / 2 stages 13.9 ms vs 15.6 (BT 128 / 8 warps 16.8). With d_k=192 loaded as two
+    power-of-two parts (128 + 64, two descriptors each for q and the keys) 3 stages fit: 11.1 ms
+    vs 13.9 padded (2 stages 13.1; BT 128 / 8 warps 17.6; BT 64 / 8 warps 25.5); the same blocks."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
         return smaller
+    tma = [{"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3, "tma": True}]
     if BDK > 128:
-        tma = {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2, "tma": True}
+        tma.append({"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2, "tma": True})
         measured = [{"BT": 128, "BB": BB, "num_warps": 8, "num_stages": 2},
                     {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2}]
     else:
-        tma = {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3, "tma": True}
         measured = [{"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3},
                     {"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2}]
-    return [tma, *measured, *smaller]
+    return [*tma, *measured, *smaller]
 
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_len: int, cmp_stride: int,
@@ -234,19 +238,21 @@ class _Launch(torch.autograd.Function):
         tma = BDK <= 256 and all(c["BB"] * (block_size // cmp_stride) <= 256 for c in configs) and \
             descriptors_usable(q, k_cmp)
 
+        BDA, BDB = head_dim_parts(dk)                   # d_k as two power-of-two parts (192: 128 + 64)
+
         def launch(lc):
             BT, BB, use_tma = lc.pop("BT"), lc.pop("BB"), lc.pop("tma", False)
-            qa, kc = q, k_cmp
+            qa, qb, kc, kcb = q, q, k_cmp, k_cmp
             if use_tma:
-                qa = descriptor(q, [BT, 1, BDK])
-                kc = descriptor(k_cmp, [BB * (block_size // cmp_stride), 1, BDK])
+                qa, qb = _key_descriptors(q, BT, BDA, BDB)
+                kc, kcb = _key_descriptors(k_cmp, BB * (block_size // cmp_stride), BDA, BDB)
                 dispatch.note("kernel", "select@tma", "triton")
             _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-                qa, kc, lse, cu_seqlens, cu_cmp, out,
+                qa, qb, kc, kcb, lse, cu_seqlens, cu_cmp, out,
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
-                BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDK=BDK,
+                BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDA=BDA, BDB=BDB,
                 PREC=precision(q.dtype), TMA=use_tma, **lc)
         launch_fitting("select", (q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected, tma),
                        usable(configs, tma), launch)
