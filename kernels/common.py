@@ -106,6 +106,14 @@ def descriptor(x: torch.Tensor, block: list[int]):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block)
 
 
+def descriptors_dk(x: torch.Tensor, rows: int, BDA: int, BDB: int):
+    """Descriptors of x [rows, heads, d_k] (queries or keys) loading [rows, 1, BDA] and
+    [rows, 1, BDB] tiles: its two d_k parts (``head_dim_parts``; the second loads from column BDA).
+    BDB = 0: the first, twice."""
+    a = descriptor(x, [rows, 1, BDA])
+    return a, (descriptor(x, [rows, 1, BDB]) if BDB else a)
+
+
 def usable(configs: list[dict], tma: bool) -> list[dict]:
     """The launch settings this call can run: those marked ``"tma": True`` only when descriptors
     are usable."""

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, dot_dk, head_dim_parts,
-                            launch_fitting, load_dk, pow2, precision, usable)
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dot_dk,
+                            head_dim_parts, launch_fitting, load_dk, pow2, precision, usable)
 from nsa_core import dispatch
 
 
@@ -131,7 +131,7 @@ def _load_tile_dk(PA, PB, row0, head, base, ok, D: tl.constexpr, BDA: tl.constex
                   ROWS: tl.constexpr, TMA: tl.constexpr, ZERO: tl.constexpr):
     """``_load_tile`` of d_k-wide rows as two power-of-two parts (``common.head_dim_parts``):
     ([ROWS, BDA], [ROWS, BDB]). TMA: ``PA`` / ``PB`` are descriptors with blocks [ROWS, 1, BDA] /
-    [ROWS, 1, BDB] of the same tensor (PB loads from column BDA); else ``PA`` is a pointer and
+    [ROWS, 1, BDB] of the same tensor (``common.descriptors_dk``); else ``PA`` is a pointer and
     ``base`` [ROWS] the rows' element offsets. BDB = 0: one part, returned twice (unused)."""
     if TMA:
         a = PA.load([row0, head, 0]).reshape(ROWS, BDA)
@@ -515,13 +515,6 @@ def _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp) -> tuple[int, int]:
     return G, H // G
 
 
-def _key_descriptors(k: torch.Tensor, rows: int, BDA: int, BDB: int):
-    """Descriptors loading [rows, 1, BDA] and [rows, 1, BDB] tiles of k [N, G, d_k]: its two d_k
-    parts (``_load_tile_dk``; BDB = 0: the first, twice)."""
-    a = descriptor(k, [rows, 1, BDA])
-    return a, (descriptor(k, [rows, 1, BDB]) if BDB else a)
-
-
 def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_len: int, cmp_stride: int) -> torch.Tensor:
     """cu_cmp [B+1] int32: boundaries of each sequence's compressed tokens, from cu_seqlens (no sync)."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -564,7 +557,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
             BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
             kc, kcb, vc = k_cmp, k_cmp, v_cmp
             if use_tma:
-                kc, kcb = _key_descriptors(k_cmp, lc["BC"], BDA, BDB)
+                kc, kcb = descriptors_dk(k_cmp, lc["BC"], BDA, BDB)
                 vc = descriptor(v_cmp, [lc["BC"], 1, BDV]) if with_o else kc
                 dispatch.note("kernel", f"{name}_fwd@tma", "triton")
             _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
@@ -611,7 +604,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         BT, use_tma = lc.pop("BT"), lc.pop("tma", False)
         kc, kcb, vc = k_cmp, k_cmp, v_cmp
         if use_tma:
-            (kc, kcb), vc = _key_descriptors(k_cmp, lc["BC"], BDA, BDB), descriptor(v_cmp, [lc["BC"], 1, BDV])
+            (kc, kcb), vc = descriptors_dk(k_cmp, lc["BC"], BDA, BDB), descriptor(v_cmp, [lc["BC"], 1, BDV])
             dispatch.note("kernel", f"{name}_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
             q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,

@@ -35,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_usable, dot_dk, head_dim_parts,
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descriptors_usable, dot_dk, head_dim_parts,
                             launch_fitting, pow2, precision, usable)
-from kernels.compressed import (_check as _check_cmp, _grid_sizes, _key_descriptors, _load_tile_dk, _n_cmp, _seq,
-                                cmp_cu_seqlens)
+from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
 NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
@@ -244,8 +243,8 @@ class _Launch(torch.autograd.Function):
             BT, BB, use_tma = lc.pop("BT"), lc.pop("BB"), lc.pop("tma", False)
             qa, qb, kc, kcb = q, q, k_cmp, k_cmp
             if use_tma:
-                qa, qb = _key_descriptors(q, BT, BDA, BDB)
-                kc, kcb = _key_descriptors(k_cmp, BB * (block_size // cmp_stride), BDA, BDB)
+                qa, qb = descriptors_dk(q, BT, BDA, BDB)
+                kc, kcb = descriptors_dk(k_cmp, BB * (block_size // cmp_stride), BDA, BDB)
                 dispatch.note("kernel", "select@tma", "triton")
             _score_topn_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
                 qa, qb, kc, kcb, lse, cu_seqlens, cu_cmp, out,

@@ -79,7 +79,6 @@ def _load_selected_block(K, V, IDX_ROW, s_i, bos, t_rel, g, skt, skh, svt, svh,
     return ka, kb, v, valid
 
 
-
 @triton.jit
 def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, slt, slh,
