@@ -68,6 +68,80 @@ def dot_dk(xa, xb, ya, yb, BDB: tl.constexpr, PREC: tl.constexpr):
     return s
 
 
+@triton.jit
+def load_2d(P, base, ok, D: tl.constexpr, BD: tl.constexpr):
+    """Row r of the result is P[base[r] : base[r] + D], zero past D and where ``ok`` is False: [rows, BD]."""
+    offs = tl.arange(0, BD)
+    return tl.load(P + base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
+    """P[base[r] : base[r] + D] = x[r] (cast to P's dtype) where ``ok``."""
+    offs = tl.arange(0, BD)
+    tl.store(P + base[:, None] + offs[None, :], x.to(P.dtype.element_ty), mask=ok[:, None] & (offs[None, :] < D))
+
+
+@triton.jit
+def store_dk(P, base, xa, xb, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, ACC: tl.constexpr = False):
+    """``store_2d`` of d_k-wide rows held as two parts (``load_dk``): P[base[r] : base[r] + DK] =
+    [xa[r], xb[r]] where ``ok``; BDB = 0: xa alone. ACC: added to what P holds (in fp32, rounded once)."""
+    if ACC:
+        xa += load_2d(P, base, ok, DK, BDA).to(tl.float32)
+    store_2d(P, base, xa, ok, DK, BDA)
+    if BDB > 0:
+        if ACC:
+            xb += load_2d(P + BDA, base, ok, DK - BDA, BDB).to(tl.float32)
+        store_2d(P + BDA, base, xb, ok, DK - BDA, BDB)
+
+
+# -- attention backward, shared by the selection and compressed/window kernels -----------------
+# Both take scores s (or sᵀ) already scaled to log2 units and masked to -inf where a key is out of
+# sight (a score the forward never saw must not overflow exp2), and the rows' lse2 = lse·log2(e)
+# and delta = rowsum(dO ∘ O).
+#
+# A branch whose output enters the layer as g·O (the gated mix) and gets the mix's dO: its own
+# dO is g·dO, so dS = P ∘ (g·dO·Vᵀ − g·delta) = (g·P) ∘ (dO·Vᵀ − delta) and dV = (g·P)ᵀ·dO, with
+# delta = rowsum(dO ∘ O) (which is also the gate's gradient). g·P = exp2(s − (lse2 − log2 g)):
+# the gate folds into each row's lse, and the loops run unchanged (``gated_lse``).
+@triton.jit
+def gated_lse(lse, GATE, gbase, ok, GATED: tl.constexpr):
+    """The rows' lse (natural log, [rows] fp32) less ln g, g the branch's gate of each row at GATE
+    + gbase [rows] (g = 0: +inf, so P = 0). GATED False: lse."""
+    if GATED:
+        lse = lse - tl.log(tl.load(GATE + gbase, mask=ok, other=1.0).to(tl.float32))
+    return lse
+
+
+@triton.jit
+def dq_update(dqa, dqb, s, ka, kb, v, do, lse2, delta, BDB: tl.constexpr, PREC: tl.constexpr):
+    """dq += dS·K for one tile of keys, query-major: s [rows, keys]; ka/kb [keys, BDA|BDB]; v
+    [keys, BDV]; do [rows, BDV]; lse2, delta [rows]. dS = P ∘ (dO·Vᵀ − delta), P = exp2(s − lse2)."""
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = (p * (dp - delta[:, None])).to(ka.dtype)
+    dqa += tl.dot(ds, ka, input_precision=PREC)
+    if BDB > 0:
+        dqb += tl.dot(ds, kb, input_precision=PREC)
+    return dqa, dqb
+
+
+@triton.jit
+def dkdv_update(dka, dkb, dv, st, v, qa, qb, do, lse2, delta, BDB: tl.constexpr, PREC: tl.constexpr):
+    """dk += dSᵀ·Q, dv += Pᵀ·dO for one tile of keys against a tile of query rows, key-major: st
+    [keys, rows] = (k·qᵀ) scores, so Pᵀ and dSᵀ come out in the layout the products take and no
+    computed tile is transposed in registers (only the loaded dO is read transposed); v [keys,
+    BDV]; qa/qb [rows, BDA|BDB]; do [rows, BDV]; lse2, delta [rows]."""
+    pt = tl.exp2(st - lse2[None, :])
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = (pt * (dpt - delta[None, :])).to(qa.dtype)
+    dka += tl.dot(dst, qa, input_precision=PREC)
+    if BDB > 0:
+        dkb += tl.dot(dst, qb, input_precision=PREC)
+    return dka, dkb, dv
+
+
 # -- tensor descriptors (TMA) -----------------------------------------------------------------
 # Hopper's copy engine loads a whole tile per instruction and zero-fills past the tensor's edges;
 # a kernel's descriptor path reads the same bytes as its pointer path (the tests compare them on

@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dot_dk,
-                            head_dim_parts, launch_fitting, load_dk, pow2, precision, usable)
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dkdv_update,
+                            dot_dk, dq_update, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk, pow2,
+                            precision, store_2d, store_dk, usable)
 from nsa_core import dispatch
 
 
@@ -96,20 +97,6 @@ def _chunk_bounds(t0, seq_len, n_seq, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.cons
 
 
 @triton.jit
-def _load_2d(P, base, ok, D: tl.constexpr, BD: tl.constexpr):
-    """Row r of the result is P[base[r] : base[r] + D], zero past D and where ``ok`` is False: [rows, BD]."""
-    offs = tl.arange(0, BD)
-    return tl.load(P + base[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < D), other=0.0)
-
-
-@triton.jit
-def _store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
-    """P[base[r] : base[r] + D] = x[r] (cast to P's dtype) where ``ok``."""
-    offs = tl.arange(0, BD)
-    tl.store(P + base[:, None] + offs[None, :], x.to(P.dtype.element_ty), mask=ok[:, None] & (offs[None, :] < D))
-
-
-@triton.jit
 def _load_tile(P, row0, head, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, TMA: tl.constexpr,
                ZERO: tl.constexpr):
     """[ROWS, BD]: rows row0 .. row0 + ROWS of one head, zero past D and (ZERO) where ``ok`` is
@@ -123,7 +110,7 @@ def _load_tile(P, row0, head, base, ok, D: tl.constexpr, BD: tl.constexpr, ROWS:
             x = tl.where(ok[:, None], x, 0.0)
         return x
     else:
-        return _load_2d(P, base, ok, D, BD)
+        return load_2d(P, base, ok, D, BD)
 
 
 @triton.jit
@@ -228,7 +215,7 @@ def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
         if WITH_O:
-            _store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
+            store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
 
 
 @triton.jit
@@ -249,32 +236,31 @@ def _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, K
         # masked scores go to -inf before exp2: a score the forward never saw must not overflow
         vis = _visible(i[None, :], inb[None, :], t_rel[:, None], ok[:, None], CMP_LEN, CMP_STRIDE, WINDOW)
         s = tl.where(vis, s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = (p * (dp - delta[:, None])).to(ka.dtype)
-    dqa += tl.dot(ds, ka, input_precision=PREC)
-    if BDB > 0:
-        dqb += tl.dot(ds, kb, input_precision=PREC)
-    return dqa, dqb
+    return dq_update(dqa, dqb, s, ka, kb, v, do, lse2, delta, BDB, PREC)
 
 
 @triton.jit
-def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
-                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
+def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ, GATE, DG, LSEG,
+                   sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh, sgt, sgh,
                    scale, scale_log2,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                    BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr):
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
         qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
-        do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
-        o = _load_2d(O, t * sot + head * soh, ok, DV, BDV)
-        lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
+        do = load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
+        o = load_2d(O, t * sot + head * soh, ok, DV, BDV)
+        lse = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf"))
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
+        if GATED:               # dO is the mix's: delta is the gate's gradient, the gate goes into lse
+            tl.store(DG + t * sgt + head * sgh, delta.to(DG.dtype.element_ty), mask=ok)
+            lse = gated_lse(lse, GATE, t * sgt + head * sgh, ok, GATED)
+            tl.store(LSEG + t * slt + head * slh, lse, mask=ok)          # for the dk/dv kernel
+        lse2 = lse * LOG2E_C
         lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
         dqa = tl.zeros([BT * BH, BDA], tl.float32)
         dqb = dqa
@@ -282,9 +268,9 @@ def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
             dqb = tl.zeros([BT * BH, BDB], tl.float32)
         if WINDOW > 0:
             for c0 in range(lo, a, BC):
-                dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
-                                     skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
-                                     PREC, True, TMA)
+                dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC,
+                                     skt, skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB,
+                                     BDV, PREC, True, TMA)
         for c0 in range(a, b, BC):
             dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
                                  skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
@@ -293,9 +279,7 @@ def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ,
             dqa, dqb = _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC, skt,
                                  skh, svt, svh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, DK, DV, BC, BDA, BDB, BDV,
                                  PREC, True, TMA)
-        _store_2d(DQ, t * sdqt + head * sdqh, dqa * scale, ok, DK, BDA)
-        if BDB > 0:
-            _store_2d(DQ + BDA, t * sdqt + head * sdqh, dqb * scale, ok, DK - BDA, BDB)
+        store_dk(DQ, t * sdqt + head * sdqh, dqa * scale, dqb * scale, ok, DK, BDA, BDB, ACC)
 
 
 @triton.jit
@@ -311,23 +295,14 @@ def _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELT
     t_rel, head, ok = _tile_rows(t0, hi, g, H_PER_G, BT, BH)
     t = (bos + t_rel).to(tl.int64)
     qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
-    do = _load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
+    do = load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
     lse2 = tl.load(LSE + t * slt + head * slh, mask=ok, other=float("inf")) * LOG2E_C
     delta = tl.load(DELTA + t * slt + head * slh, mask=ok, other=0.0)
-    # key-major [BC, rows] scores (k·qᵀ): pᵀ and dSᵀ come out in the layout the dk/dv products
-    # take, so no computed tile is transposed in registers (only the loaded q and dO are read transposed)
-    st = dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2
+    st = dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2          # key-major [BC, rows] (dkdv_update)
     if MASKED:
         st = tl.where(_visible(i[:, None], inb[:, None], t_rel[None, :], ok[None, :], CMP_LEN, CMP_STRIDE, WINDOW),
                       st, float("-inf"))
-    pt = tl.exp2(st - lse2[None, :])                                            # [BC, rows]
-    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-    dst = (pt * (dpt - delta[None, :])).to(qa.dtype)
-    dka += tl.dot(dst, qa, input_precision=PREC)
-    if BDB > 0:
-        dkb += tl.dot(dst, qb, input_precision=PREC)
-    return dka, dkb, dv
+    return dkdv_update(dka, dkb, dv, st, v, qa, qb, do, lse2, delta, BDB, PREC)
 
 
 @triton.jit
@@ -360,7 +335,7 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
         ka, kb = load_dk(KC + kc * skt + g * skh, inb, DK, BDA, BDB)
-        v = _load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
+        v = load_2d(VC, kc * svt + g * svh, inb, DV, BDV)
         t_first = i0 * CMP_STRIDE + CMP_LEN - 1
         t_end = seq_len
         if WINDOW > 0:          # the last query that sees the chunk's last key: its end + w − 1
@@ -376,34 +351,32 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
         if WINDOW > 0:
             until = tl.maximum(mid, tl.minimum(hi, lo + tl.maximum(t_first + WINDOW - lo, 0) // BT * BT))
         for t0 in range(lo, mid, BT):
-            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh,
-                                      sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, BDA,
-                                      BDB, DV, BT, BH, BDV, PREC, True)
+            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt,
+                                      sqh, sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW,
+                                      H_PER_G, DK, BDA, BDB, DV, BT, BH, BDV, PREC, True)
         for t0 in range(mid, until, BT):
-            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt, sqh,
-                                      sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, BDA,
-                                      BDB, DV, BT, BH, BDV, PREC, False)
+            dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt,
+                                      sqh, sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW,
+                                      H_PER_G, DK, BDA, BDB, DV, BT, BH, BDV, PREC, False)
         if WINDOW > 0:
             for t0 in range(until, hi, BT):
-                dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA, sqt,
-                                          sqh, sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G,
-                                          DK, BDA, BDB, DV, BT, BH, BDV, PREC, True)
+                dka, dkb, dv = _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELTA,
+                                          sqt, sqh, sdot, sdoh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
+                                          WINDOW, H_PER_G, DK, BDA, BDB, DV, BT, BH, BDV, PREC, True)
     # every scratch row is written (zeros for an empty split), so the reduce reads no garbage
     row = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT + split).to(tl.int64)
     every = offs_c >= 0
     PK: tl.constexpr = BDA + BDB
-    _store_2d(PART_K, row * (BC * PK) + offs_c * PK, dka, every, BDA, BDA)
-    if BDB > 0:
-        _store_2d(PART_K + BDA, row * (BC * PK) + offs_c * PK, dkb, every, BDB, BDB)
-    _store_2d(PART_V, row * (BC * BDV) + offs_c * BDV, dv, every, BDV, BDV)
+    store_dk(PART_K, row * (BC * PK) + offs_c * PK, dka, dkb, every, PK, BDA, BDB)
+    store_2d(PART_V, row * (BC * BDV) + offs_c * BDV, dv, every, BDV, BDV)
 
 
 @triton.jit
 def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdvh, scale, NCH,
                             DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, PK: tl.constexpr,
-                            BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr):
+                            BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, ACC: tl.constexpr):
     """dk/dv of one chunk of compressed tokens and KV head: its splits summed in order (deterministic).
-    A PART_K row holds PK columns (the dk/dv kernel's two d_k parts)."""
+    A PART_K row holds PK columns (the dk/dv kernel's two d_k parts). ACC: added to what DKC/DVC hold."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
@@ -419,10 +392,14 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
         dv = tl.zeros([BC, BDV], tl.float32)
         row0 = (((b * tl.num_programs(1) + g) * NCH + c) * NSPLIT).to(tl.int64)
         for split in tl.static_range(NSPLIT):
-            dk += _load_2d(PART_K, (row0 + split) * (BC * PK) + offs_c * PK, every, PK, BDK)
-            dv += _load_2d(PART_V, (row0 + split) * (BC * BDV) + offs_c * BDV, every, BDV, BDV)
-        _store_2d(DKC, kc * sdkt + g * sdkh, dk * scale, inb, DK, BDK)
-        _store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV)
+            dk += load_2d(PART_K, (row0 + split) * (BC * PK) + offs_c * PK, every, PK, BDK)
+            dv += load_2d(PART_V, (row0 + split) * (BC * BDV) + offs_c * BDV, every, BDV, BDV)
+        dk *= scale
+        if ACC:
+            dk += load_2d(DKC, kc * sdkt + g * sdkh, inb, DK, BDK).to(tl.float32)
+            dv += load_2d(DVC, kc * sdvt + g * sdvh, inb, DV, BDV).to(tl.float32)
+        store_2d(DKC, kc * sdkt + g * sdkh, dk, inb, DK, BDK)
+        store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV)
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -575,22 +552,37 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
 
 
 def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
-                             scale=None, max_seqlen: int | None = None, window: int = 0):
+                             scale=None, max_seqlen: int | None = None, window: int = 0, gate=None, dgate=None,
+                             dq=None, dk=None, dv=None, accumulate: bool = False):
     """Backward launcher: returns (dq [T, H, d_k], dk_cmp [N, G, d_k], dv_cmp [N, G, d_v]) in q's
     dtype; every row is written (zero where no query reached a compressed token). ``window``: as
-    the forward's."""
+    the forward's.
+
+    Inside the fused layer backward (``kernels.branches``): ``gate`` [T, H] is this branch's gate
+    column and ``do`` the gated mix's dO (the branch's dO is gate·do, applied in fp32 to the
+    products dO enters: ``common.gate_rows``), and ``dgate`` [T, H] (the same strides) receives
+    rowsum(do ∘ o); ``dq``/``dk``/``dv`` may be given, and with ``accumulate`` the gradients are
+    added to what the given ones hold (dq alone, or dk and dv together; buffers not given are
+    written afresh)."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, d_k = q.shape
     d_v = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
     max_seqlen, max_cmp = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
     do, lse = do.contiguous(), lse.contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.zeros_like(k_cmp)          # compressed tokens of no sequence (none in a packed batch) stay 0
-    dv = torch.zeros_like(v_cmp)
+    acc_q, acc_kv = accumulate and dq is not None, accumulate and dk is not None and dv is not None
+    dq = torch.empty_like(q) if dq is None else dq
+    # compressed tokens of no sequence (none in a packed batch) stay 0
+    dk = torch.zeros_like(k_cmp) if dk is None else dk
+    dv = torch.zeros_like(v_cmp) if dv is None else dv
     B = cu_seqlens.numel() - 1
     if not (T and B and max_seqlen):
-        return dq.zero_(), dk, dv
+        return (dq if acc_q else dq.zero_()), dk, dv
+    if gate is not None and (dgate is None or gate.shape != (T, H) or dgate.stride() != gate.stride()):
+        raise ValueError("gate and dgate must both be [T, H] with the same strides")
+    gate_args = (gate, dgate, gate.stride(0), gate.stride(1)) if gate is not None else (lse, lse, 0, 0)
+    # gated: the dq kernel writes lse less ln(gate) here for the dk/dv kernel (common.gated_lse)
+    lse_g = torch.empty_like(lse) if gate is not None else lse
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH,
@@ -607,10 +599,11 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             (kc, kcb), vc = descriptors_dk(k_cmp, lc["BC"], BDA, BDB), descriptor(v_cmp, [lc["BC"], 1, BDV])
             dispatch.note("kernel", f"{name}_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq,
+            q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq, gate_args[0], gate_args[1], lse_g,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB, TMA=use_tma, **common, **lc)
+            dq.stride(0), dq.stride(1), gate_args[2], gate_args[3], scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB,
+            TMA=use_tma, GATED=gate is not None, ACC=acc_q, **common, **lc)
     launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
     def launch_dkdv(lc):
@@ -621,13 +614,13 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         part_k = torch.empty(B * G * NCH * nsplit, BC, BDA + BDB, device=q.device, dtype=torch.float32)
         part_v = torch.empty(B * G * NCH * nsplit, BC, BDV, device=q.device, dtype=torch.float32)
         _cmp_dkdv_kernel[(NCH * nsplit, G, B)](
-            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse, delta, part_k, part_v,
+            q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse_g, delta, part_k, part_v,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, NCH,
             BT=BT, BC=BC, BDA=BDA, BDB=BDB, NSPLIT=nsplit, **common, **lc)
         _cmp_dkdv_reduce_kernel[(NCH, G, B)](
             part_k, part_v, cu_cmp, dk, dv, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, NCH,
-            DK=d_k, DV=d_v, BC=BC, PK=BDA + BDB, BDK=BDK, BDV=BDV, NSPLIT=nsplit, num_warps=4)
+            DK=d_k, DV=d_v, BC=BC, PK=BDA + BDB, BDK=BDK, BDV=BDV, NSPLIT=nsplit, ACC=acc_kv, num_warps=4)
     if max_cmp:
         launch_fitting(f"{name}_dkdv", spec, launch_configs("dkdv", h, BDK, BDV, q.element_size()), launch_dkdv)
     dispatch.note("kernel", f"{name}_bwd", "triton")

@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.compressed import _load_2d, _store_2d
+from kernels.common import load_2d, store_2d
 from nsa_core import dispatch
 
 
 @triton.jit
 def _rows(P, r, ok, sr, DV: tl.constexpr, BDV: tl.constexpr):
     """Rows r of P as fp32 [BR, BDV] (zero past DV and where not ``ok``)."""
-    return _load_2d(P, r * sr, ok, DV, BDV).to(tl.float32)
+    return load_2d(P, r * sr, ok, DV, BDV).to(tl.float32)
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _mix_fwd_kernel(G, OC, OS, OW, O, R, sg, so, DV: tl.constexpr, BR: tl.conste
     g0, g1, g2 = _gates(G, r, ok, sg)
     o = (g0[:, None] * _rows(OC, r, ok, so, DV, BDV) + g1[:, None] * _rows(OS, r, ok, so, DV, BDV)
          + g2[:, None] * _rows(OW, r, ok, so, DV, BDV))
-    _store_2d(O, r * so, o, ok, DV, BDV)
+    store_2d(O, r * so, o, ok, DV, BDV)
 
 
 @triton.jit
@@ -52,9 +52,9 @@ def _mix_bwd_kernel(G, OC, OS, OW, DO, DG, DOC, DOS, DOW, R, sg, so,
     ok = r < R
     do = _rows(DO, r, ok, so, DV, BDV)
     g0, g1, g2 = _gates(G, r, ok, sg)
-    _store_2d(DOC, r * so, g0[:, None] * do, ok, DV, BDV)
-    _store_2d(DOS, r * so, g1[:, None] * do, ok, DV, BDV)
-    _store_2d(DOW, r * so, g2[:, None] * do, ok, DV, BDV)
+    store_2d(DOC, r * so, g0[:, None] * do, ok, DV, BDV)
+    store_2d(DOS, r * so, g1[:, None] * do, ok, DV, BDV)
+    store_2d(DOW, r * so, g2[:, None] * do, ok, DV, BDV)
     tl.store(DG + r * 3, tl.sum(do * _rows(OC, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)
     tl.store(DG + r * 3 + 1, tl.sum(do * _rows(OS, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * _rows(OW, r, ok, so, DV, BDV), 1).to(DG.dtype.element_ty), mask=ok)

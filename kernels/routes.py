@@ -16,10 +16,10 @@ from nsa_core.config import NSAConfig
 try:
     import triton
 
-    from kernels import compressed, decode, mix, scoring, selection, window
+    from kernels import branches, compressed, decode, mix, scoring, selection, window
     _TRITON_MISSING = None
 except ImportError as e:                      # a pod without triton still runs the torch path
-    compressed = decode = mix = scoring = selection = window = None
+    branches = compressed = decode = mix = scoring = selection = window = None
     _TRITON_MISSING = f"triton does not import ({e})"
 
 
@@ -135,6 +135,25 @@ def prefill_mix(g, o_cmp, o_sel, o_win):
 
 
 routing.register(routing.PREFILL, "mix", routing.TRITON, prefill_mix, triton_unavailable)
+
+
+def prefill_branches(cfg: NSAConfig, g, q, k, v, k_cmp, v_cmp):
+    """All of a layer's attention where every prefill stage routes to Triton: g [B, S, H, 3], q
+    [B, S, H, d_k], k/v [B, S, G, d], k_cmp/v_cmp [B, N, G, d] -> Σ g·o [B, S, H, d_v], one
+    differentiable op whose backward feeds the gate to each branch's kernels and accumulates
+    dq/dk/dv in place (``kernels.branches``)."""
+    B, S, H, _ = q.shape
+    N, G = k_cmp.shape[1], cfg.n_kv_heads
+    sh = branches.Shape(cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected, cfg.window, cfg.scale, S)
+    o, _ = branches.nsa_branches(g.reshape(B * S, H, 3), q.reshape(B * S, H, -1), k.reshape(B * S, G, -1),
+                                 v.reshape(B * S, G, -1), k_cmp.reshape(B * N, G, -1), v_cmp.reshape(B * N, G, -1),
+                                 _batch_cu(B, S, q.device), _batch_cu(B, N, q.device), sh)
+    for stage in routing.PREFILL_STAGES:
+        routing.note(routing.PREFILL, stage, routing.TRITON)
+    return o.view(B, S, H, cfg.d_v)
+
+
+routing.register(routing.PREFILL, "branches", routing.TRITON, prefill_branches, select_unavailable)
 
 
 # -- FA-2 varlen for the compressed and window branches -------------------------------------

@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, LOG2E_C, cu_or_one, dot_dk, head_dim_parts, launch_fitting, load_dk, pow2, precision
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, gated_lse, head_dim_parts,
+                            launch_fitting, load_2d, load_dk, pow2, precision, store_2d, store_dk)
 from nsa_core import dispatch
 
 
@@ -116,22 +117,27 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
 
 
 @triton.jit
-def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
-                   sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh,
+def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ, GATE, DG, LSEG,
+                   sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh, sgt, sgh,
                    scale, scale_log2,
                    H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr,
                    BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr):
     t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
     if t_rel < seq_len:
         qa, qb = load_dk(Q + t * sqt + heads * sqh, row_ok, DK, BDA, BDB)
         do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
         o = _load_rows(O, t, heads, row_ok, sot, soh, DV, BDV)
-        lse2 = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf")) * LOG2E_C
+        lse = tl.load(LSE + t * slt + heads * slh, mask=row_ok, other=float("inf"))
         # delta = rowsum(dO ∘ O), also handed to the dk/dv kernel (launched after this one)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
+        if GATED:               # dO is the mix's: delta is the gate's gradient, the gate goes into lse
+            tl.store(DG + t * sgt + heads * sgh, delta.to(DG.dtype.element_ty), mask=row_ok)
+            lse = gated_lse(lse, GATE, t * sgt + heads * sgh, row_ok, GATED)
+            tl.store(LSEG + t * slt + heads * slh, lse, mask=row_ok)     # for the dk/dv kernel
+        lse2 = lse * LOG2E_C
         dqa = tl.zeros([BH, BDA], tl.float32)
         dqb = dqa
         if BDB > 0:
@@ -139,21 +145,9 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ,
         for s_i in range(N_SEL):
             ka, kb, v, valid = _load_selected_block(K, V, IDX + t * sit + g * sig, s_i, bos, t_rel, g, skt, skh, svt,
                                                     svh, BLOCK, DK, DV, BN, BDA, BDB, BDV)
-            # masked scores go to -inf before exp2: a score the forward never saw must not overflow
             s = tl.where(valid[None, :], dot_dk(qa, qb, ka, kb, BDB, PREC) * scale_log2, float("-inf"))
-            p = tl.exp2(s - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = (p * (dp - delta[:, None])).to(ka.dtype)
-            dqa += tl.dot(ds, ka, input_precision=PREC)
-            if BDB > 0:
-                dqb += tl.dot(ds, kb, input_precision=PREC)
-        offs_a = tl.arange(0, BDA)
-        tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_a[None, :], (dqa * scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_a[None, :] < DK))
-        if BDB > 0:
-            offs_b = BDA + tl.arange(0, BDB)
-            tl.store(DQ + t * sdqt + heads[:, None] * sdqh + offs_b[None, :], (dqb * scale).to(DQ.dtype.element_ty),
-                     mask=row_ok[:, None] & (offs_b[None, :] < DK))
+            dqa, dqb = dq_update(dqa, dqb, s, ka, kb, v, do, lse2, delta, BDB, PREC)
+        store_dk(DQ, t * sdqt + heads * sdqh, dqa * scale, dqb * scale, row_ok, DK, BDA, BDB, ACC)
 
 
 @triton.jit
@@ -205,23 +199,12 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
             lse2 = tl.load(LSE + tq * slt + head * slh, mask=row_ok, other=float("inf")) * LOG2E_C
             delta = tl.load(DELTA + tq * slt + head * slh, mask=row_ok, other=0.0)
             qpos = tq - bos
-            # key-major [BN, rows] (k·qᵀ): pᵀ and dSᵀ are computed in the layout dk/dv take
             valid = kvalid[:, None] & row_ok[None, :] & (kpos[:, None] <= qpos[None, :])
-            st = tl.where(valid, dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2, float("-inf"))
-            pt = tl.exp2(st - lse2[None, :])
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = (pt * (dpt - delta[None, :])).to(qa.dtype)
-            dka += tl.dot(dst, qa, input_precision=PREC)
-            if BDB > 0:
-                dkb += tl.dot(dst, qb, input_precision=PREC)
+            st = tl.where(valid, dot_dk(ka, kb, qa, qb, BDB, PREC) * scale_log2, float("-inf"))   # key-major
+            dka, dkb, dv = dkdv_update(dka, dkb, dv, st, v, qa, qb, do, lse2, delta, BDB, PREC)
         seg64 = seg.to(tl.int64)
         PK: tl.constexpr = BDA + BDB
-        offs_a = tl.arange(0, BDA)
-        tl.store(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_a[None, :], dka)
-        if BDB > 0:
-            offs_b = BDA + tl.arange(0, BDB)
-            tl.store(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_b[None, :], dkb)
+        store_dk(PART_K, seg64 * (BN * PK) + offs_n * PK, dka, dkb, offs_n >= 0, PK, BDA, BDB)
         tl.store(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :], dv)
 
 
@@ -229,9 +212,11 @@ def _sel_dkdv_kernel(Q, K, V, CU, DO, LSE, DELTA, PART_K, PART_V,
 def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, DK_OUT, DV_OUT, n_blk_slots,
                             sdkt, sdkh, sdvt, sdvh, scale,
                             BLOCK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                            BN: tl.constexpr, PK: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+                            BN: tl.constexpr, PK: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                            ACC: tl.constexpr):
     """dk/dv of one selection block and KV head: its segments summed in order (deterministic);
-    zero where no query selected the block. A PART_K row holds PK (<= BDK) columns."""
+    zero where no query selected the block. A PART_K row holds PK (<= BDK) columns. ACC: added to
+    what DK_OUT/DV_OUT hold."""
     gb = tl.program_id(0)
     g = tl.program_id(1)
     start = tl.load(BLK_START + gb)
@@ -250,10 +235,12 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
             dk += tl.load(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_dk[None, :],
                           mask=offs_dk[None, :] < PK, other=0.0)
             dv += tl.load(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :])
-        tl.store(DK_OUT + kt[:, None] * sdkt + g * sdkh + offs_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
-                 mask=kvalid[:, None] & (offs_dk[None, :] < DK))
-        tl.store(DV_OUT + kt[:, None] * sdvt + g * sdvh + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=kvalid[:, None] & (offs_dv[None, :] < DV))
+        dk *= scale
+        if ACC:
+            dk += load_2d(DK_OUT, kt * sdkt + g * sdkh, kvalid, DK, BDK).to(tl.float32)
+            dv += load_2d(DV_OUT, kt * sdvt + g * sdvh, kvalid, DV, BDV).to(tl.float32)
+        store_2d(DK_OUT, kt * sdkt + g * sdkh, dk, kvalid, DK, BDK)
+        store_2d(DV_OUT, kt * sdvt + g * sdvh, dv, kvalid, DV, BDV)
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -407,9 +394,11 @@ def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT
 
 
 def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_seqlens=None, *,
-                            scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None):
+                            scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None,
+                            gate=None, dgate=None, accumulate: bool = False):
     """Backward launcher: returns (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype.
-    Every row of the three is written (zero where no query reached a key)."""
+    Every row of the three is written (zero where no query reached a key). ``gate``/``dgate``
+    [T, H] and ``accumulate``: as ``compressed_attention_bwd``'s."""
     cu, ms = cu_or_one(cu_seqlens, q.shape[0], q.device)
     G, h = _check(q, k, v, block_idx, cu, block_size)
     T, H, d_k = q.shape
@@ -417,6 +406,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
     max_seqlen = max_seqlen or ms or int((cu[1:] - cu[:-1]).max().item() if cu.numel() > 1 else 0)
     do = do.contiguous()
+    acc_q, acc_kv = accumulate and dq is not None, accumulate and dk is not None and dv is not None
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -425,19 +415,23 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
         return dq, dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
+    if gate is not None and (dgate is None or gate.shape != (T, H) or dgate.stride() != gate.stride()):
+        raise ValueError("gate and dgate must both be [T, H] with the same strides")
+    gate_args = (gate, dgate, gate.stride(0), gate.stride(1)) if gate is not None else (lse, lse, 0, 0)
+    # gated: the dq kernel writes lse less ln(gate) here for the dk/dv kernel (common.gated_lse)
+    lse_g = torch.empty_like(lse) if gate is not None else lse
     BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
     BDA, BDB = head_dim_parts(d_k)
     spec = (q.device, q.dtype, h, d_k, d_v, block_size)
 
     def launch_dq(lc):
         _sel_dq_kernel[(max_seqlen, G, B)](
-            q, k, v, block_idx, cu, o, do, lse, delta, dq,
+            q, k, v, block_idx, cu, o, do, lse, delta, dq, gate_args[0], gate_args[1], lse_g,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-            lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), scale, scale * LOG2E,
+            lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), gate_args[2], gate_args[3], scale, scale * LOG2E,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
-            BH=pow2(h), BN=BN, BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, **lc)
+            BH=pow2(h), BN=BN, BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, GATED=gate is not None, ACC=acc_q, **lc)
     launch_fitting("sel_dq", spec, launch_configs("dq", BDK, BDV), launch_dq)
     ri = reverse_index(block_idx, cu, block_size, SEGMENT)
     NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
@@ -449,7 +443,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     def launch_dkdv(lc):
         rows = lc.pop("rows")
         _sel_dkdv_kernel[(NSEG,)](
-            q, k, v, cu, do, lse, delta, part_k, part_v,
+            q, k, v, cu, do, lse_g, delta, part_k, part_v,
             ri["seg_bucket"], ri["seg_lo"], ri["seg_hi"], ri["blk_start"], ri["blk_seq"], ri["qlist"], NBU,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
@@ -459,7 +453,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     _sel_dkdv_reduce_kernel[(NBU, G)](
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
-        BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, PK=BDA + BDB, BDK=BDK, BDV=BDV, num_warps=4)
+        BLOCK=block_size, DK=d_k, DV=d_v, BN=BN, PK=BDA + BDB, BDK=BDK, BDV=BDV, ACC=acc_kv, num_warps=4)
     dispatch.note("kernel", "sel_bwd", "triton")
     return dq, dk, dv
 

@@ -159,6 +159,13 @@ class NSAAttention(nn.Module):
         g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
         routes = self.routes(S, x.device, x.dtype)
+        if only is None and idx is None and all(d.backend == routing.TRITON for d in routes.values()):
+            # every stage on the Triton kernels: one op, whose backward needs no mix pass and no
+            # gradient sums between the branches (kernels/branches.py)
+            impl, _ = routing.lookup(routing.PREFILL, "branches", routing.TRITON)
+            if impl is not None:
+                o = impl(cfg=self.cfg, g=g, q=q, k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp)
+                return self.o_proj(o.reshape(B, S, -1))
         parts, lse = {}, None
         if "cmp" in want:
             parts["cmp"], lse = self.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)

@@ -683,34 +683,40 @@ def test_mix_fwd_bwd(dt, dv, R, record):
     record.assert_ok()
 
 
+@pytest.mark.parametrize("path", ["per-branch", "fused"])
 @pytest.mark.parametrize("dt,S", MODULE)
-def test_module_fwd_bwd(dt, S, record):
-    """NSAAttention with the compressed branch, block selection, the selection branch and the gated
-    mix routed to the kernels: output, input and every parameter gradient vs the oracle's autograd
-    (given the module's own blocks); no NaN/Inf anywhere."""
+def test_module_fwd_bwd(dt, S, path, record):
+    """NSAAttention with its stages routed to the kernels: output, input and every parameter
+    gradient vs the oracle's autograd (given the blocks the module's Triton scorer selects); no
+    NaN/Inf anywhere. per-branch: compressed branch, block selection, selection branch and gated
+    mix on the kernels, the window on torch, the blocks handed in: each branch its own autograd op
+    and the mix another. fused: every stage on the kernels and the blocks left to the module, so it
+    runs the one op of kernels/branches.py, whose backward runs no mix pass (the branch kernels
+    take the gate and sum dq/dk/dv themselves)."""
     dtype = DTYPES[dt]
     _require(dtype)
     cfg = _module_cfg()
+    fused = path == "fused"
     torch.manual_seed(S)
     m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
-                                       mix_triton_min_len=0)).to(DEV).to(dtype)
+                                       mix_triton_min_len=0, win_triton_min_len=0 if fused else None)).to(DEV).to(dtype)
     x = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype).requires_grad_(True)
     for br, d in m.routes(S, x.device, dtype).items():
-        assert br == "win" or d.backend == "triton", f"{br} was not routed to the kernel: {d.reason}"
+        assert (br == "win" and not fused) or d.backend == "triton", f"{br} was not routed to the kernel: {d.reason}"
     with record.capture() as log:
-        idx = m.select(x.detach())                      # the Triton scorer's blocks, given to both sides
+        idx = m.select(x.detach())                      # the Triton scorer's blocks (the oracle's too)
     record.expect_ran(log, "prefill", "select", "triton")
     dout = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype)
     names = [nm for nm, _ in m.named_parameters()]
     with record.capture() as log:
-        out = m(x, idx=idx)
+        out = m(x) if fused else m(x, idx=idx)
         grads = torch.autograd.grad(out, [x, *m.parameters()], dout, allow_unused=True)
-    record.expect_ran(log, "prefill", "sel", "triton")
-    record.expect_ran(log, "kernel", "sel_bwd", "triton")
-    record.expect_ran(log, "prefill", "cmp", "triton")
-    record.expect_ran(log, "kernel", "cmp_bwd", "triton")
-    record.expect_ran(log, "prefill", "mix", "triton")
-    record.expect_ran(log, "kernel", "mix_bwd", "triton")
+    for stage in ("cmp", "sel", "mix", *(("select", "win") if fused else ())):
+        record.expect_ran(log, "prefill", stage, "triton")
+    for kernel in ("cmp_bwd", "sel_bwd", *(("win_bwd",) if fused else ("mix_bwd",))):
+        record.expect_ran(log, "kernel", kernel, "triton")
+    if fused:
+        assert not log.ran("kernel", "mix_bwd", "triton"), "the fused backward ran the mix's backward pass"
 
     def oracle(dt_):
         xs = x.detach().to(dt_).requires_grad_(True)

@@ -1,0 +1,83 @@
+"""The three prefill branches, block selection and the gated mix as one differentiable op, for a
+layer that runs all of them on the Triton kernels.
+
+Apart, each branch is an autograd op of its own and so is the mix: the mix's backward writes
+g_b·dO for every branch (three [T, H, d_v] tensors: 1 GiB each at 64k with 64 heads) for the
+branches to read back, and autograd adds up the three branches' dq (and the selection and window
+branches' dk and dv) with an elementwise add each. Here the backward gives every branch's kernels
+the mix's dO and the branch's gate column instead: they apply the gate to the products dO enters
+(in fp32, so g·dO is never rounded to the input dtype as the mix's backward stored it), write
+the gate's gradient rowsum(dO ∘ O_b) beside delta, and the second and third branches add their
+dq, dk, dv to the first's in the kernels' own stores (fp32 sums, rounded once per branch). The forward is the same
+launches as apart (compressed, scoring + top-n, selection, window, mix).
+
+Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
+tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
+[N, G, d_k], v_cmp [N, G, d_v] -> (o [T, H, d_v], block_idx [T, G, n] int32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import compressed, mix, scoring, selection, window
+from nsa_core import routing
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the kernels take besides tensors (NSA's config and the batch's longest sequence)."""
+    cmp_len: int
+    cmp_stride: int
+    block_size: int
+    n_selected: int
+    window: int
+    scale: float
+    max_seqlen: int
+
+
+class _Branches(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh: Shape):
+        # (no profiler range per stage: torch.profiler attributes no Triton kernel to one, so the
+        # kernels are attributed to the whole op, and the suites look for them block-wide)
+        o_cmp, lse_cmp = compressed.compressed_attention_fwd(q, k_cmp, v_cmp, sh.cmp_len, sh.cmp_stride, cu, cu_cmp,
+                                                             scale=sh.scale, max_seqlen=sh.max_seqlen)
+        idx = scoring.select_blocks(q, k_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, sh.block_size, sh.n_selected,
+                                    cu, cu_cmp, scale=sh.scale, max_seqlen=sh.max_seqlen)
+        o_sel, lse_sel = selection.selection_attention_fwd(q, k, v, idx, sh.block_size, cu, scale=sh.scale,
+                                                           max_seqlen=sh.max_seqlen)
+        o_win, lse_win = window.window_attention_fwd(q, k, v, sh.window, cu, scale=sh.scale, max_seqlen=sh.max_seqlen)
+        o = mix.mix_fwd(g, (o_cmp, o_sel, o_win))
+        ctx.save_for_backward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, idx, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win)
+        ctx.sh = sh
+        ctx.mark_non_differentiable(idx)
+        return o, idx
+
+    @staticmethod
+    def backward(ctx, do, _didx):
+        g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, idx, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win = ctx.saved_tensors
+        sh = ctx.sh
+        do = do.contiguous()
+        dg = torch.empty_like(g)
+        gate = {br: (g[..., i], dg[..., i]) for i, br in enumerate(routing.BRANCHES)}
+        dq, dk_cmp, dv_cmp = compressed.compressed_attention_bwd(
+            do, q, k_cmp, v_cmp, o_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, cu, cu_cmp, scale=sh.scale,
+            max_seqlen=sh.max_seqlen, gate=gate["cmp"][0], dgate=gate["cmp"][1])
+        _, dk, dv = selection.selection_attention_bwd(
+            do, q, k, v, o_sel, lse_sel, idx, sh.block_size, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
+            dq=dq, gate=gate["sel"][0], dgate=gate["sel"][1], accumulate=True)
+        compressed.compressed_attention_bwd(
+            do, q, k, v, o_win, lse_win, 1, 1, cu, cu, scale=sh.scale, max_seqlen=sh.max_seqlen, window=sh.window,
+            gate=gate["win"][0], dgate=gate["win"][1], dq=dq, dk=dk, dv=dv, accumulate=True)
+        return dg, dq, dk, dv, dk_cmp, dv_cmp, None, None, None
+
+
+def nsa_branches(g, q, k, v, k_cmp, v_cmp, cu_seqlens, cu_cmp, sh: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_b g_b·o_b over the compressed, selected and window branches, the blocks selected from the
+    compressed branch's probabilities: (o [T, H, d_v], block_idx [T, G, n] int32), differentiable
+    in g, q, k, v, k_cmp and v_cmp (see the module docstring for layouts)."""
+    if g.shape != (*q.shape[:2], 3):
+        raise ValueError(f"g must be [T, H, 3] = [{q.shape[0]}, {q.shape[1]}, 3]; got {tuple(g.shape)}")
+    return _Branches.apply(g.contiguous(), q, k, v, k_cmp, v_cmp, cu_seqlens, cu_cmp, sh)
