@@ -55,6 +55,11 @@ from nsa_core.config import BRANCHES, NSAConfig
 # SM (registers and shared memory each allow 2), schedulers idle 71% of cycles; capping registers
 # for more programs per SM was slower (maxnreg 168 / 128: 76.3 / 83.7 us vs 72.8 us uncapped)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
+# ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
+# rows with them), and which branches' cache tokens each launch reads
+LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
+            "merge")
+CACHE_READS = {"compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
@@ -355,7 +360,9 @@ def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm
     """Tiles one program walks (a power of two, at most MAX_TILES): as many as keep at least one
     program per SM in the launch (fewer chunks: fewer partials written and merged; an H100 sweep at
     B=16, 64k, d_k split 128 + 64: at most 16 tiles 0.1315 ms, 8 tiles 0.1342 ms; before the split,
-    8 tiles 0.1381 ms, 4 tiles 0.1475 ms)."""
+    8 tiles 0.1381 ms, 4 tiles 0.1475 ms). Fewer programs than SMs, for fewer partials to score
+    and merge at small B, was slower (H100, 64k, graph-replayed step: B=1 37.2 / 41.5 / 76.3 us
+    with half / a quarter / an eighth as many vs 35.5 us; B=4 64.6 vs 58.6 us)."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2

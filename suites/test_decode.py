@@ -301,10 +301,6 @@ def _distinct_raw_tokens(idx, t: int) -> int:
     return int(covered.sum())
 
 
-# what each launch of an eager step is, in launch order (kernels/decode.py)
-STEP_LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
-
-
 @pytest.mark.skipif(not CFG.dram_counters, reason="not at this level (the profile's suites.decode.dram_counters is false)")
 @pytest.mark.nsa_exclusive
 def test_dram_reads(record, extra):
@@ -336,16 +332,17 @@ def test_dram_reads(record, extra):
                              "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny"])
     except ncu.NoCounterAccess as e:
         pytest.skip(str(e))
-    assert len(df) == len(STEP_LAUNCHES), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(STEP_LAUNCHES)}"
-    # the launches that read the cache: the compressed partial, and the window + selection partial
-    shares = {1: formula["cmp"], 4: formula["sel"] + formula["win"]}
+    launches = decode.LAUNCHES
+    assert len(df) == len(launches), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(launches)}"
+    # the launches that read the cache, each with its branches' formula bytes
+    shares = {launches.index(name): sum(formula[br] for br in brs) for name, brs in decode.CACHE_READS.items()}
     total, f_total, c_total = float(df.dram_read.sum()), sum(formula.values()), sum(counted.values())
     ratio = total / f_total
-    for row in decode_table.dram_rows(df, STEP_LAUNCHES, B, S, shares, f_total, c_total, distinct):
+    for row in decode_table.dram_rows(df, launches, B, S, shares, f_total, c_total, distinct):
         extra.row(decode_table.DRAM_TABLE, row)
     record.metrics.update(B=B, S=S, dram_read=total, dram_write=float(df.dram_write.sum()), formula_bytes=f_total,
                           counted_bytes=c_total, distinct_bytes=distinct, ratio=ratio,
-                          launches=df.assign(what=list(STEP_LAUNCHES)).to_dict("records"))
+                          launches=df.assign(what=list(launches)).to_dict("records"))
     assert counted == formula, f"bytes counted from the step's indices {counted} != formula {formula}"
     limit = CTX.expect.decode_dram_ratio_max
     assert total >= distinct, (f"DRAM reads {total / 1e6:.1f} MB < the {distinct / 1e6:.1f} MB of distinct tokens "
