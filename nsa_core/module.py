@@ -71,7 +71,11 @@ class Compressor(nn.Module):
 
     def _mlp(self, spans: torch.Tensor) -> torch.Tensor:
         B, N, G, l, dd = spans.shape
-        return self.fc2(F.silu(self.fc1((spans + self.pe).reshape(B, N, G, l * dd))))
+        # fc1(flatten(span + pe)) = W1·flatten(span) + (W1·flatten(pe) + b1): the position embedding
+        # folds into fc1's bias, so the spans reach the GEMM in one gather pass (not an add, then a
+        # copy to make the sum contiguous), and its gradient is a reduction of fc1's, not of the spans'
+        bias = torch.addmv(self.fc1.bias, self.fc1.weight, self.pe.reshape(-1))
+        return self.fc2(F.silu(F.linear(spans.reshape(B, N, G, l * dd), self.fc1.weight, bias)))
 
 
 class Gate(nn.Module):
