@@ -1,8 +1,9 @@
 """Triton NSA decode step: selection for the new token, then all three branches for all h heads
 of a KV group, split over the context (flash-decoding style), with no host synchronisation.
 
-A step is four launches over preallocated buffers, so it can be captured in a CUDA graph (the
-position is a device tensor; no shape depends on it):
+A step is five launches over preallocated buffers (``DecodeStep`` adds the cache append first:
+``LAUNCHES``), so it can be captured in a CUDA graph (the position is a device tensor; no shape
+depends on it):
 
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
