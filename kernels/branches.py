@@ -5,11 +5,12 @@ Apart, each branch is an autograd op of its own and so is the mix: the mix's bac
 g_b·dO for every branch (three [T, H, d_v] tensors: 1 GiB each at 64k with 64 heads) for the
 branches to read back, and autograd adds up the three branches' dq (and the selection and window
 branches' dk and dv) with an elementwise add each. Here the backward gives every branch's kernels
-the mix's dO and the branch's gate column instead: they apply the gate to the products dO enters
-(in fp32, so g·dO is never rounded to the input dtype as the mix's backward stored it), write
-the gate's gradient rowsum(dO ∘ O_b) beside delta, and the second and third branches add their
-dq, dk, dv to the first's in the kernels' own stores (fp32 sums, rounded once per branch). The forward is the same
-launches as apart (compressed, scoring + top-n, selection, window, mix).
+the mix's dO and the branch's gate column instead: the gate folds into each row's log-sum-exp
+(``common.gated_lse``: g·P = exp2(s − (lse2 − log2 g)), so the kernels' loops are unchanged),
+the dq kernel writes the gate's gradient rowsum(dO ∘ O_b) beside delta, and the second and third
+branches add their dq, dk, dv to the first's in the kernels' own stores (fp32 sums, rounded once
+per branch). The forward is the same launches as apart (compressed, scoring + top-n, selection,
+window, mix).
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels import compressed, mix, scoring, selection, window
-from nsa_core import routing
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,16 @@ class _Branches(torch.autograd.Function):
         sh = ctx.sh
         do = do.contiguous()
         dg = torch.empty_like(g)
-        gate = {br: (g[..., i], dg[..., i]) for i, br in enumerate(routing.BRANCHES)}
+        (g_cmp, g_sel, g_win), (dg_cmp, dg_sel, dg_win) = g.unbind(-1), dg.unbind(-1)     # [T, H] views
         dq, dk_cmp, dv_cmp = compressed.compressed_attention_bwd(
             do, q, k_cmp, v_cmp, o_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, cu, cu_cmp, scale=sh.scale,
-            max_seqlen=sh.max_seqlen, gate=gate["cmp"][0], dgate=gate["cmp"][1])
+            max_seqlen=sh.max_seqlen, gate=g_cmp, dgate=dg_cmp)
         _, dk, dv = selection.selection_attention_bwd(
             do, q, k, v, o_sel, lse_sel, idx, sh.block_size, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
-            dq=dq, gate=gate["sel"][0], dgate=gate["sel"][1], accumulate=True)
+            dq=dq, gate=g_sel, dgate=dg_sel, accumulate=True)
         compressed.compressed_attention_bwd(
             do, q, k, v, o_win, lse_win, 1, 1, cu, cu, scale=sh.scale, max_seqlen=sh.max_seqlen, window=sh.window,
-            gate=gate["win"][0], dgate=gate["win"][1], dq=dq, dk=dk, dv=dv, accumulate=True)
+            gate=g_win, dgate=dg_win, dq=dq, dk=dk, dv=dv, accumulate=True)
         return dg, dq, dk, dv, dk_cmp, dv_cmp, None, None, None
 
 

@@ -76,8 +76,11 @@ def load_2d(P, base, ok, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
-    """P[base[r] : base[r] + D] = x[r] (cast to P's dtype) where ``ok``."""
+def store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr = False):
+    """P[base[r] : base[r] + D] = x[r] (cast to P's dtype) where ``ok``. ACC: x is added to what P
+    holds (x fp32; the sum rounded once)."""
+    if ACC:
+        x += load_2d(P, base, ok, D, BD).to(tl.float32)
     offs = tl.arange(0, BD)
     tl.store(P + base[:, None] + offs[None, :], x.to(P.dtype.element_ty), mask=ok[:, None] & (offs[None, :] < D))
 
@@ -85,14 +88,10 @@ def store_2d(P, base, x, ok, D: tl.constexpr, BD: tl.constexpr):
 @triton.jit
 def store_dk(P, base, xa, xb, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, ACC: tl.constexpr = False):
     """``store_2d`` of d_k-wide rows held as two parts (``load_dk``): P[base[r] : base[r] + DK] =
-    [xa[r], xb[r]] where ``ok``; BDB = 0: xa alone. ACC: added to what P holds (in fp32, rounded once)."""
-    if ACC:
-        xa += load_2d(P, base, ok, DK, BDA).to(tl.float32)
-    store_2d(P, base, xa, ok, DK, BDA)
+    [xa[r], xb[r]] where ``ok``; BDB = 0: xa alone. ACC: added to what P holds."""
+    store_2d(P, base, xa, ok, DK, BDA, ACC)
     if BDB > 0:
-        if ACC:
-            xb += load_2d(P + BDA, base, ok, DK - BDA, BDB).to(tl.float32)
-        store_2d(P + BDA, base, xb, ok, DK - BDA, BDB)
+        store_2d(P + BDA, base, xb, ok, DK - BDA, BDB, ACC)
 
 
 # -- attention backward, shared by the selection and compressed/window kernels -----------------
@@ -105,12 +104,10 @@ def store_dk(P, base, xa, xb, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.c
 # delta = rowsum(dO ∘ O) (which is also the gate's gradient). g·P = exp2(s − (lse2 − log2 g)):
 # the gate folds into each row's lse, and the loops run unchanged (``gated_lse``).
 @triton.jit
-def gated_lse(lse, GATE, gbase, ok, GATED: tl.constexpr):
+def gated_lse(lse, GATE, gbase, ok):
     """The rows' lse (natural log, [rows] fp32) less ln g, g the branch's gate of each row at GATE
-    + gbase [rows] (g = 0: +inf, so P = 0). GATED False: lse."""
-    if GATED:
-        lse = lse - tl.log(tl.load(GATE + gbase, mask=ok, other=1.0).to(tl.float32))
-    return lse
+    + gbase [rows] (g = 0: +inf, so P = 0)."""
+    return lse - tl.log(tl.load(GATE + gbase, mask=ok, other=1.0).to(tl.float32))
 
 
 @triton.jit
@@ -186,6 +183,18 @@ def descriptors_dk(x: torch.Tensor, rows: int, BDA: int, BDB: int):
     BDB = 0: the first, twice."""
     a = descriptor(x, [rows, 1, BDA])
     return a, (descriptor(x, [rows, 1, BDB]) if BDB else a)
+
+
+def gate_args(gate, dgate, lse: torch.Tensor):
+    """What a backward launcher hands its dq kernel for a gated branch (``gated_lse``): (GATE, DG,
+    LSEG, gate strides (t, h)) with LSEG a fresh [T, H] buffer the dq kernel fills with lse − ln g
+    for the dk/dv kernel to read as its lse; ungated (gate None): placeholders and LSEG = lse.
+    gate and dgate [T, H] must share strides (the kernel indexes both with one pair)."""
+    if gate is None:
+        return lse, lse, lse, 0, 0
+    if dgate is None or gate.shape != lse.shape or dgate.stride() != gate.stride():
+        raise ValueError(f"gate and dgate must both be [T, H] = {list(lse.shape)} with the same strides")
+    return gate, dgate, torch.empty_like(lse), gate.stride(0), gate.stride(1)
 
 
 def usable(configs: list[dict], tma: bool) -> list[dict]:

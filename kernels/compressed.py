@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dkdv_update,
-                            dot_dk, dq_update, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk, pow2,
-                            precision, store_2d, store_dk, usable)
+                            dot_dk, dq_update, gate_args, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk,
+                            pow2, precision, store_2d, store_dk, usable)
 from nsa_core import dispatch
 
 
@@ -258,7 +258,7 @@ def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ, GATE, DG, LSE
         tl.store(DELTA + t * slt + head * slh, delta, mask=ok)
         if GATED:               # dO is the mix's: delta is the gate's gradient, the gate goes into lse
             tl.store(DG + t * sgt + head * sgh, delta.to(DG.dtype.element_ty), mask=ok)
-            lse = gated_lse(lse, GATE, t * sgt + head * sgh, ok, GATED)
+            lse = gated_lse(lse, GATE, t * sgt + head * sgh, ok)
             tl.store(LSEG + t * slt + head * slh, lse, mask=ok)          # for the dk/dv kernel
         lse2 = lse * LOG2E_C
         lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
@@ -394,12 +394,8 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
         for split in tl.static_range(NSPLIT):
             dk += load_2d(PART_K, (row0 + split) * (BC * PK) + offs_c * PK, every, PK, BDK)
             dv += load_2d(PART_V, (row0 + split) * (BC * BDV) + offs_c * BDV, every, BDV, BDV)
-        dk *= scale
-        if ACC:
-            dk += load_2d(DKC, kc * sdkt + g * sdkh, inb, DK, BDK).to(tl.float32)
-            dv += load_2d(DVC, kc * sdvt + g * sdvh, inb, DV, BDV).to(tl.float32)
-        store_2d(DKC, kc * sdkt + g * sdkh, dk, inb, DK, BDK)
-        store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV)
+        store_2d(DKC, kc * sdkt + g * sdkh, dk * scale, inb, DK, BDK, ACC)
+        store_2d(DVC, kc * sdvt + g * sdvh, dv, inb, DV, BDV, ACC)
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -559,8 +555,8 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     the forward's.
 
     Inside the fused layer backward (``kernels.branches``): ``gate`` [T, H] is this branch's gate
-    column and ``do`` the gated mix's dO (the branch's dO is gate·do, applied in fp32 to the
-    products dO enters: ``common.gate_rows``), and ``dgate`` [T, H] (the same strides) receives
+    column and ``do`` the gated mix's dO (the branch's dO is gate·do; the gate folds into each
+    row's lse: ``common.gated_lse``), and ``dgate`` [T, H] (the same strides) receives
     rowsum(do ∘ o); ``dq``/``dk``/``dv`` may be given, and with ``accumulate`` the gradients are
     added to what the given ones hold (dq alone, or dk and dv together; buffers not given are
     written afresh)."""
@@ -578,11 +574,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     B = cu_seqlens.numel() - 1
     if not (T and B and max_seqlen):
         return (dq if acc_q else dq.zero_()), dk, dv
-    if gate is not None and (dgate is None or gate.shape != (T, H) or dgate.stride() != gate.stride()):
-        raise ValueError("gate and dgate must both be [T, H] with the same strides")
-    gate_args = (gate, dgate, gate.stride(0), gate.stride(1)) if gate is not None else (lse, lse, 0, 0)
-    # gated: the dq kernel writes lse less ln(gate) here for the dk/dv kernel (common.gated_lse)
-    lse_g = torch.empty_like(lse) if gate is not None else lse
+    GATE, DG, lse_g, sgt, sgh = gate_args(gate, dgate, lse)
     delta = torch.empty_like(lse)                                                  # written by _cmp_dq_kernel
     BDK, BDV, BH, prec = pow2(d_k), pow2(d_v), triton.next_power_of_2(h), precision(q.dtype)
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH,
@@ -599,10 +591,10 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             (kc, kcb), vc = descriptors_dk(k_cmp, lc["BC"], BDA, BDB), descriptor(v_cmp, [lc["BC"], 1, BDV])
             dispatch.note("kernel", f"{name}_dq@tma", "triton")
         _cmp_dq_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-            q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq, gate_args[0], gate_args[1], lse_g,
+            q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq, GATE, DG, lse_g,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), gate_args[2], gate_args[3], scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB,
+            dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB,
             TMA=use_tma, GATED=gate is not None, ACC=acc_q, **common, **lc)
     launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 

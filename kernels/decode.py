@@ -396,6 +396,7 @@ class Plan:
     tb: int                    # selection blocks per tile of BNC compressed tokens (BNC·d / l')
     nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
     nbt_p: int                 # nbt padded to a power of two >= 16
+    gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
 
     @property
     def NC(self) -> int:
@@ -423,7 +424,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)))
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G))
 
 
 class Workspace:
@@ -469,8 +470,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     p = p or plan(cfg, B, k.shape[1], k_cmp.shape[1], q.device)
     ws = ws or Workspace(p, q.dtype, q.device)
     want = set(branches)
-    gdc = _gdc(q.device, B * p.G)
-    pdl = dict(GDC=gdc, launch_pdl=gdc > 0)
+    pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
@@ -544,5 +544,4 @@ class DecodeStep:
         _append_kernel[(k_new.shape[0],)](c.k, c.v, k_new.contiguous(), v_new.contiguous(), pos, c.k.stride(0),
                                           c.k.stride(1), c.v.stride(0), c.v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
                                           BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v),
-                                          GDC=(gdc := _gdc(k_new.device, k_new.shape[0] * G)),
-                                          launch_pdl=gdc > 0)
+                                          GDC=self.plan.gdc, launch_pdl=self.plan.gdc > 0)

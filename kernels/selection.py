@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, gated_lse, head_dim_parts,
-                            launch_fitting, load_2d, load_dk, pow2, precision, store_2d, store_dk)
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, gate_args, gated_lse,
+                            head_dim_parts, launch_fitting, load_dk, pow2, precision, store_2d, store_dk)
 from nsa_core import dispatch
 
 
@@ -135,7 +135,7 @@ def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ, GATE, DG, LSEG,
         tl.store(DELTA + t * slt + heads * slh, delta, mask=row_ok)
         if GATED:               # dO is the mix's: delta is the gate's gradient, the gate goes into lse
             tl.store(DG + t * sgt + heads * sgh, delta.to(DG.dtype.element_ty), mask=row_ok)
-            lse = gated_lse(lse, GATE, t * sgt + heads * sgh, row_ok, GATED)
+            lse = gated_lse(lse, GATE, t * sgt + heads * sgh, row_ok)
             tl.store(LSEG + t * slt + heads * slh, lse, mask=row_ok)     # for the dk/dv kernel
         lse2 = lse * LOG2E_C
         dqa = tl.zeros([BH, BDA], tl.float32)
@@ -235,12 +235,8 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
             dk += tl.load(PART_K + seg64 * (BN * PK) + offs_n[:, None] * PK + offs_dk[None, :],
                           mask=offs_dk[None, :] < PK, other=0.0)
             dv += tl.load(PART_V + seg64 * (BN * BDV) + offs_n[:, None] * BDV + offs_dv[None, :])
-        dk *= scale
-        if ACC:
-            dk += load_2d(DK_OUT, kt * sdkt + g * sdkh, kvalid, DK, BDK).to(tl.float32)
-            dv += load_2d(DV_OUT, kt * sdvt + g * sdvh, kvalid, DV, BDV).to(tl.float32)
-        store_2d(DK_OUT, kt * sdkt + g * sdkh, dk, kvalid, DK, BDK)
-        store_2d(DV_OUT, kt * sdvt + g * sdvh, dv, kvalid, DV, BDV)
+        store_2d(DK_OUT, kt * sdkt + g * sdkh, dk * scale, kvalid, DK, BDK, ACC)
+        store_2d(DV_OUT, kt * sdvt + g * sdvh, dv, kvalid, DV, BDV, ACC)
 
 
 # -- launchers -----------------------------------------------------------------------------
@@ -415,21 +411,17 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
         return dq, dk, dv
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
-    if gate is not None and (dgate is None or gate.shape != (T, H) or dgate.stride() != gate.stride()):
-        raise ValueError("gate and dgate must both be [T, H] with the same strides")
-    gate_args = (gate, dgate, gate.stride(0), gate.stride(1)) if gate is not None else (lse, lse, 0, 0)
-    # gated: the dq kernel writes lse less ln(gate) here for the dk/dv kernel (common.gated_lse)
-    lse_g = torch.empty_like(lse) if gate is not None else lse
+    GATE, DG, lse_g, sgt, sgh = gate_args(gate, dgate, lse)
     BDK, BDV, BN, prec = pow2(d_k), pow2(d_v), pow2(block_size), precision(q.dtype)
     BDA, BDB = head_dim_parts(d_k)
     spec = (q.device, q.dtype, h, d_k, d_v, block_size)
 
     def launch_dq(lc):
         _sel_dq_kernel[(max_seqlen, G, B)](
-            q, k, v, block_idx, cu, o, do, lse, delta, dq, gate_args[0], gate_args[1], lse_g,
+            q, k, v, block_idx, cu, o, do, lse, delta, dq, GATE, DG, lse_g,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-            lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), gate_args[2], gate_args[3], scale, scale * LOG2E,
+            lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
             BH=pow2(h), BN=BN, BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, GATED=gate is not None, ACC=acc_q, **lc)
     launch_fitting("sel_dq", spec, launch_configs("dq", BDK, BDV), launch_dq)
