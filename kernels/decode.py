@@ -241,12 +241,14 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
     scores among the other causal blocks, ties to the lower index; written ascending, −1 padded.
 
-    n argmax passes: on the H100 (paper config, 1024 blocks, 8 warps) 6.5 µs, where one bitonic
-    ``tl.sort`` of packed (score bits, index) keys and a threshold at the n-th took 8.1 µs. Scoring
-    and top-n as one launch (a program per row · KV head computing all its block scores) was
-    slower than the two: 12.0 vs 2.3 + 6.5 µs at B=1, 64k, 89.7 µs at 128k (graph-replayed step
-    43.1 vs 38.9 µs at B=1, 64k). So was launching the window's partials with the compressed ones
-    instead of with the selection's: step 140.7 vs 131.4 µs at B=16, 64k."""
+    n argmax passes. Measured slower on the H100 (paper config, 1024 blocks, eager kernel time vs
+    6.5 µs with 8 warps): one bitonic ``tl.sort`` of packed (score bits, index) keys and a threshold
+    at the n-th, 8.1 µs; n max passes over such packed int64 keys, 7.3 µs (8 warps) / 7.4 (4); a
+    radix select on the score bits (eight rounds of 4-bit digit counts), 10.1 µs (2048 blocks, at
+    128k: step 68.7 vs 45.6 µs at B=1). Scoring and top-n as one launch (a program per row · KV head
+    computing all its block scores) was slower than the two: 12.0 vs 2.3 + 6.5 µs at B=1, 64k, 89.7 µs
+    at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was launching the window's partials
+    with the compressed ones instead of with the selection's: step 140.7 vs 131.4 µs at B=16, 64k."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
@@ -255,10 +257,11 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     cur = t // BLOCK
     j = tl.arange(0, NBP)
     score = tl.load(SCORE + bg * NBP + j)
+    causal = j <= cur
     forced = (j == 0) | (j == cur) | (j == cur - 1)
-    key = tl.where(j <= cur, score, float("-inf"))
-    key = tl.where(forced & (j <= cur), float("inf"), key)
     n_take = tl.minimum(cur + 1, N_SEL)
+    key = tl.where(causal, score, float("-inf"))
+    key = tl.where(forced & causal, float("inf"), key)
     chosen = tl.zeros([NBP], tl.int32)
     for it in tl.static_range(N_SEL):
         a = tl.argmax(key, 0, tie_break_left=True)                   # ties: the lower block index
@@ -272,23 +275,40 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr, CP: tl.constexpr,
-                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr):
-    """Log-sum-exp merge of chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]
-    -> (o [BH, BDV_S], tokens read). All chunks are loaded at once (a loop over them would wait
-    on one load after another). CP: hi − lo rounded up to a power of two."""
+def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr, CP: tl.constexpr,
+                NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
+    """Chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]: (m [CP, BH], l [CP, BH],
+    acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: hi − lo rounded up to a power of two."""
     ch = lo + tl.arange(0, CP)
     ok = ch < hi
     out = (bg * NC + ch).to(tl.int64)
     part = out[:, None] * BH + rows[None, :]                           # [CP, BH]
     pm = tl.load(PM + part, mask=ok[:, None], other=float("-inf"))
+    pl = tl.load(PL + part, mask=ok[:, None], other=0.0)
+    acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0)
+    return pm, pl, acc, tl.sum(tl.load(PCNT + out, mask=ok, other=0), 0)
+
+
+@triton.jit
+def _merge_finish(pm, pl, acc):
+    """Log-sum-exp merge of ``_merge_load``'s chunks -> o [BH, BDV_S] (no key at all: exactly 0)."""
     M = tl.max(pm, 0)
     w = tl.exp2(pm - tl.where(M == float("-inf"), 0.0, M)[None, :])   # a chunk with no key: 0
-    L = tl.sum(w * tl.load(PL + part, mask=ok[:, None], other=0.0), 0)
-    acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0)
-    acc = tl.sum(acc * w[:, :, None], 0)                               # [BH, BDV_S]
-    cnt = tl.sum(tl.load(PCNT + out, mask=ok, other=0), 0)
-    return acc / tl.where(L == 0, 1.0, L)[:, None], cnt                # no key at all: exactly 0
+    L = tl.sum(w * pl, 0)
+    return tl.sum(acc * w[:, :, None], 0) / tl.where(L == 0, 1.0, L)[:, None]
+
+
+@triton.jit
+def _merge_store(pm, pl, acc, cnt, br: tl.constexpr, OUT, READS, plane, BG, ok, first, gates, mix,
+                 HAS_GATE: tl.constexpr):
+    """Branch ``br``'s merged o into OUT[br] and its tokens read into READS[br]; returns
+    mix + gate[:, br]·o."""
+    o = _merge_finish(pm, pl, acc)
+    tl.store(OUT + br * plane, o.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(READS + br * BG, cnt, mask=first)
+    if HAS_GATE:
+        mix += tl.sum(tl.where(tl.arange(0, 4)[None, :] == br, gates, 0.0), 1)[:, None] * o
+    return mix
 
 
 @triton.jit
@@ -309,27 +329,34 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     head = g * H_PER_G + rows
     ok = (rows[:, None] < H_PER_G) & (offs_dv[None, :] < DV)
     dst = (b * H + head)[:, None] * DV + offs_dv[None, :]
-    mix = tl.zeros([BH, BDV_S], tl.float32)
     plane = B * H * DV                                               # OUT is [3, B, H, d_v]
     first = part == 0                                                # one program writes the reads
+    # every load first: each branch's merge would otherwise wait for its loads after the stores of
+    # the one before (the compiler cannot move a load above a store). H100, 64k, eager kernel time:
+    # B=1 6.1 vs 6.9 µs, B=16 4.0-4.1 vs 4.5-4.7 µs
     if DO_CMP:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV, BDV_S)
-        tl.store(OUT + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + bg, cnt, mask=first)
-        if HAS_GATE:
-            mix += tl.load(GATE + (b * H + head) * 3, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
     if DO_SEL:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH, BDV, BDV_S)
-        tl.store(OUT + plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + B * G + bg, cnt, mask=first)
-        if HAS_GATE:
-            mix += tl.load(GATE + (b * H + head) * 3 + 1, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+        m_s, l_s, a_s, n_s = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH,
+                                         BDV)
     if DO_WIN:
-        o, cnt = _merge_range(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC, BH, BDV, BDV_S)
-        tl.store(OUT + 2 * plane + dst, o.to(OUT.dtype.element_ty), mask=ok)
-        tl.store(READS + 2 * B * G + bg, cnt, mask=first)
-        if HAS_GATE:
-            mix += tl.load(GATE + (b * H + head) * 3 + 2, mask=rows < H_PER_G, other=0.0).to(tl.float32)[:, None] * o
+        m_w, l_w, a_w, n_w = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC,
+                                         BH, BDV)
+    gates = tl.zeros([BH, 4], tl.float32)                           # (cmp, sel, win, -) per head
+    if HAS_GATE:
+        c4 = tl.arange(0, 4)
+        gates = tl.load(GATE + (b * H + head)[:, None] * 3 + c4[None, :],
+                        mask=(rows[:, None] < H_PER_G) & (c4[None, :] < 3), other=0.0).to(tl.float32)
+    mix = tl.zeros([BH, BDV_S], tl.float32)
+    if DO_CMP:
+        mix = _merge_store(m_c, l_c, a_c, n_c, 0, OUT + dst, READS + bg, plane, B * G, ok, first, gates, mix,
+                           HAS_GATE)
+    if DO_SEL:
+        mix = _merge_store(m_s, l_s, a_s, n_s, 1, OUT + dst, READS + bg, plane, B * G, ok, first, gates, mix,
+                           HAS_GATE)
+    if DO_WIN:
+        mix = _merge_store(m_w, l_w, a_w, n_w, 2, OUT + dst, READS + bg, plane, B * G, ok, first, gates, mix,
+                           HAS_GATE)
     if HAS_GATE:
         tl.store(MIX + dst, mix.to(MIX.dtype.element_ty), mask=ok)
 

@@ -105,6 +105,30 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
     assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
 
 
+@pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal"])
+def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores):
+    """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
+    the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
+    oracle's ``select_blocks`` on the same scores, at every position of a 64-block cache. (The
+    interpreter's argmax always breaks ties to the lower index; on a GPU the kernel's own rule is
+    what this checks.)"""
+    import triton
+
+    from kernels.decode import _topn_kernel
+    cfg = tiny(block_size=16, n_selected=5)
+    NB, G = 64, 2
+    torch.manual_seed(5)
+    s = {"distinct": torch.rand(1, G, NB), "quarter-steps": torch.randint(0, 4, (1, G, NB)) / 4,
+         "all-equal": torch.ones(1, G, NB)}[scores]
+    for t in range(0, NB * cfg.block_size, 7):
+        pos = torch.tensor([t], dtype=torch.int32, device=DEV)
+        idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
+        _topn_kernel[(G,)](s.to(DEV).reshape(G, NB), pos, idx, idx.stride(0), idx.stride(1), G=G, BLOCK=cfg.block_size,
+                           N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected), NBP=NB)
+        ref = reference.select_blocks(s[:, None], torch.tensor([t]), cfg)[:, 0]
+        assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
+
+
 def test_graph_step_writes_the_token_and_allocates_nothing():
     """DecodeStep: writes k/v at pos into the cache, reuses its workspace (same output buffers every
     call), and gives the oracle's row t after the append."""
