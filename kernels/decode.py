@@ -55,6 +55,13 @@ from nsa_core.config import BRANCHES, NSAConfig
 # Nsight Compute on the compressed partial (B=16, before the d_k split): 2 programs of 4 warps per
 # SM (registers and shared memory each allow 2), schedulers idle 71% of cycles; capping registers
 # for more programs per SM was slower (maxnreg 168 / 128: 76.3 / 83.7 us vs 72.8 us uncapped)
+# Also measured no faster (H100, B=16 / B=1, 64k, eager kernel time of the compressed partials vs
+# 72.9-73.6 / 6.4 us): the caches head-major [B, G, T, d] instead of token-major (step 126.2-127.2
+# vs 126.7-128.0 us); the compressed tiles through tensor descriptors (TMA) 72.7-73.6 / 6.6 us, with
+# 3 stages 82.2 us, with the loop warp-specialized 73.6 us (3 stages 82.1; 8 warps 90.5); 1 or 2
+# warps with tiles of 16 / 32 / 64 tokens and 2-4 stages, step 129.2-223.6 vs 128.3-130.3 us. ncu
+# (B=16): 2 programs of 4 warps per SM (220 registers, 88 KB of shared memory each), 61% of DRAM
+# peak, no eligible warp 74% of cycles
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
 # rows with them), and which branches' cache tokens each launch reads
