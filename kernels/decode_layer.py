@@ -8,7 +8,10 @@ the same work as device operations of fixed shapes, so a whole layer step (proje
 
 * the position lives on the device (``next_t`` [B] int32, advanced by the step itself);
 * φ runs every step over the l tokens ending at t: ``_span_kernel`` gathers them (+ the intra-block
-  position embedding) for k and v in one launch, φ's MLP runs in torch, and ``_store_kernel``
+  position embedding: the prefill's φ folds it into fc1's bias instead, which saves it a pass over
+  all the spans, but here that fold would be one more launch per step while the gather adds it for
+  free; both forms are checked against the oracle) for k and v in one launch, φ's MLP runs in
+  torch, and ``_store_kernel``
   writes the result to compressed slot (t+1−l)/d only where token t completes that span, one
   launch for k and v: a fixed ~8 launches instead of a data-dependent branch (the torch
   gather/where/index_put version of this took ~30 launches, ~100 µs of a step on the H100);

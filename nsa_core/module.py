@@ -163,13 +163,10 @@ class NSAAttention(nn.Module):
         g = self.gates(x, only)
         want = BRANCHES if only is None else (only,)
         routes = self.routes(S, x.device, x.dtype)
-        if only is None and idx is None and all(d.backend == routing.TRITON for d in routes.values()):
-            # every stage on the Triton kernels: one op, whose backward needs no mix pass and no
-            # gradient sums between the branches (kernels/branches.py)
-            impl, _ = routing.lookup(routing.PREFILL, "branches", routing.TRITON)
-            if impl is not None:
-                o = impl(cfg=self.cfg, g=g, q=q, k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp)
-                return self.o_proj(o.reshape(B, S, -1))
+        one = self.one_op(routes) if only is None and idx is None else None
+        if one is not None:
+            o = one(cfg=self.cfg, g=g, q=q, k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp)
+            return self.o_proj(o.reshape(B, S, -1))
         parts, lse = {}, None
         if "cmp" in want:
             parts["cmp"], lse = self.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
@@ -180,6 +177,15 @@ class NSAAttention(nn.Module):
         if "win" in want:
             parts["win"] = self.run_branch("win", routes, q=q, k=k, v=v)
         return self.mix(g, parts, routes)
+
+    def one_op(self, routes):
+        """With every prefill stage on the Triton kernels (``routes`` from ``routes()``), the op the
+        layer runs its three branches, block selection and gated mix through: one op whose backward
+        needs no mix pass and no gradient sums between the branches (kernels/branches.py; called
+        with cfg, g [B, S, H, 3], q, k, v, k_cmp, v_cmp -> Σ g·o [B, S, H, d_v]). Else None."""
+        if all(d.backend == routing.TRITON for d in routes.values()):
+            return routing.lookup(routing.PREFILL, "branches", routing.TRITON)[0]
+        return None
 
     def run_branch(self, branch: str, routes, *, with_lse: bool = False, **tensors):
         """One prefill branch on the backend ``routes`` (from ``routes()``) picked -> o [B, S, H, d_v];

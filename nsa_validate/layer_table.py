@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from nsa_validate import figures
-from nsa_validate.bench.layer import STAGES, Measured, Row
+from nsa_validate.bench.layer import ONE_OP, PARTS_OF_ONE_OP, STAGES, Measured, Row, summed
 
 TABLE = "Whole layer: NSA prefill vs the fastest same-bytes dense layer (ms, medians)"
 DENSE_TABLE = "Whole layer: every dense layer measured (ms, medians)"
@@ -32,8 +32,8 @@ def records(rows: list[Row]) -> list[dict]:
         for st in STAGES:
             rec[f"stage_fwd_{st}_ms"] = _ms(r.stages_fwd.get(st))
             rec[f"stage_bwd_{st}_ms"] = _ms(r.stages_bwd.get(st))
-        rec["stages_fwd_sum_ms"] = _sum(r.stages_fwd.values())
-        rec["stages_bwd_sum_ms"] = _sum(r.stages_bwd.values())
+        rec["stages_fwd_sum_ms"] = _sum(summed(r.stages_fwd))
+        rec["stages_bwd_sum_ms"] = _sum(summed(r.stages_bwd))
         rec["timer"] = r.nsa_fwd.timer or r.nsa_fwdbwd.timer
         rec["host_bound"] = r.nsa_fwd.host_bound or r.nsa_fwdbwd.host_bound
         out.append(rec)
@@ -47,6 +47,13 @@ def _put(rec: dict, key: str, m: Measured) -> None:
 
 def _ms(m: Measured | None) -> float | None:
     return None if m is None else m.ms
+
+
+def _stage_cell(r: Row, st: str) -> str:
+    """"fwd / bwd" of one stage; a part of the one op shows its forward alone, bracketed (not summed)."""
+    if ONE_OP in r.stages_fwd and st in PARTS_OF_ONE_OP:
+        return f"({_cell(r.stages_fwd[st])} / in the one op)"
+    return f"{_cell(r.stages_fwd[st])} / {_cell(r.stages_bwd[st]) if st in r.stages_bwd else '-'}"
 
 
 def _sum(ms) -> float | None:
@@ -102,22 +109,28 @@ def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.
                                     "peak GiB fwd+bwd": _f(r.dense_fwdbwd[name].peak_gib, 1)})
         if r.stages_fwd:
             extra.row(STAGE_TABLE, {"B": s.B, "S": s.S, "d_k/d_v": f"{s.d_k}/{s.d_v}",
-                                    **{st: f"{_cell(r.stages_fwd[st])} / {_cell(r.stages_bwd[st]) if st in r.stages_bwd else '-'}"
-                                       for st in STAGES if st in r.stages_fwd},
-                                    "sum": f"{_f(_sum(r.stages_fwd.values()))} / {_f(_sum(r.stages_bwd.values()))}",
+                                    **{st: _stage_cell(r, st) for st in STAGES if st in r.stages_fwd},
+                                    "sum": f"{_f(_sum(summed(r.stages_fwd)))} / {_f(_sum(summed(r.stages_bwd)))}",
                                     "whole layer": f"{_cell(r.nsa_fwd)} / {_cell(r.nsa_fwdbwd)} (fwd+bwd)"})
     extra.note(f"whole layer on {device}: x [B, S, d_model] through NSAAttention (projections, φ, scoring, three "
                "branches as routed, gate, mix, output projection) vs a dense layer with the same projections and one "
                "causal attention; x dense = fastest dense layer that reads no more K/V bytes per token / NSA. Timings: "
                "median of CUDA-event samples, L2 flushed; host = the Python call until it returns; a row is host-bound "
                "when host time > 1.5x GPU time.")
+    if any(ONE_OP in r.stages_fwd for r in rows):
+        parts = ", ".join(PARTS_OF_ONE_OP)
+        extra.note(f"stages: where every stage runs on the Triton kernels the layer runs its branches, block "
+                   f"selection and gated mix as one op ('{ONE_OP}', forward and backward); its parts ({parts}) "
+                   "are bracketed: each timed forward alone, left out of the sum; 'gate + out proj' is the gate MLP "
+                   "and the output projection around it.")
     timer = recs[0]["timer"] if recs else ""
     if timer == "cpu":
         extra.note("CPU run: the timer is the host's (perf_counter) and the kernels run under the Triton interpreter; "
                    "these figures prove the plumbing only.")
     extra.note("layer.csv columns: B, S, d_k, d_v, routes; per measurement <name>_{ms,p20_ms,p80_ms,host_ms,peak_gib,oom} "
                "for nsa_fwd, nsa_fwdbwd, dense_<layer>_{fwd,fwdbwd}; best_dense_*, speedup_* (dense/NSA); "
-               "stage_{fwd,bwd}_<stage>_ms and their sums; timer; host_bound.")
+               "stage_{fwd,bwd}_<stage>_ms and their sums (without the one op's parts where it ran); timer; "
+               "host_bound.")
     extra.set("summary", headline(rows))
     return df
 

@@ -309,16 +309,30 @@ def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: floa
     return row
 
 
+ONE_OP = "branches + mix (one op)"
+# stages the one op runs inside it (``NSAAttention.one_op``): in a row that has it, each is timed
+# forward alone (the same launches) and left out of the sums; its backward is the one op's
+PARTS_OF_ONE_OP = ("cmp attention", "scoring + top-n", "sel attention", "win attention")
 STAGES = ("projections", "compression", "cmp attention", "scoring + top-n", "sel attention",
-          "win attention", "gate + mix")
+          "win attention", "gate + mix", "gate + out proj", ONE_OP)
+
+
+def summed(stages: dict[str, Measured]) -> list[Measured]:
+    """The stages of a breakdown that add up to the layer: all but the one op's parts where the
+    layer ran the one op."""
+    return [m for k, m in stages.items() if not (ONE_OP in stages and k in PARTS_OF_ONE_OP)]
 
 
 def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -> tuple[dict, dict]:
     """Each stage of the layer timed alone on the inputs the layer gives it, forward and (where it
     has a gradient) backward: {stage: Measured}. The stages' sum next to the whole layer's time
-    shows what the stage boundaries cost (launches, host work, synchronisations)."""
+    shows what the stage boundaries cost (launches, host work, synchronisations). Where the layer
+    runs its branches and mix as one op (every stage on Triton), that op is a stage, forward and
+    backward, beside the gate MLP with the output projection; the branches are still timed forward
+    alone (``PARTS_OF_ONE_OP``), since their backward passes apart are not what the layer runs."""
     S = x.shape[1]
     routes = m.routes(S, x.device, x.dtype)
+    one = m.one_op(routes)
     with torch.no_grad():
         q, k, v = m.project(x)
         k_cmp, v_cmp = m.cmp_k(k), m.cmp_v(v)
@@ -327,20 +341,28 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
         parts = {"cmp": o_cmp,
                  "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
                  "win": m.run_branch("win", routes, q=q, k=k, v=v)}
+        g = m.gates(x)
     fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
            # given the compressed branch's lse when it has one, as the layer does
            "scoring + top-n": (lambda q, kc: m.select_from(q, kc, routes, lse=lse), (q, k_cmp)),
            "sel attention": (lambda q, k, v: m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx), (q, k, v)),
-           "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v)),
-           "gate + mix": (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts.values()))}
+           "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v))}
+    if one is None:
+        fns["gate + mix"] = (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts.values()))
+    else:
+        with torch.no_grad():
+            o = one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp).reshape(*x.shape[:2], -1)
+        fns["gate + out proj"] = (lambda x, o: (m.gates(x), m.o_proj(o)), (x, o))
+        fns[ONE_OP] = (lambda g, q, k, v, kc, vc: one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=kc, v_cmp=vc),
+                       (g, q, k, v, k_cmp, v_cmp))
     fwd, bwd = {}, {}
     for name, (fn, args) in fns.items():
         with torch.no_grad():
             fwd[name] = _time(lambda: fn(*args), device, budget_ms)
-        if name == "scoring + top-n":                     # discrete: no gradient flows through it
-            continue
+        if name == "scoring + top-n" or (one is not None and name in PARTS_OF_ONE_OP):
+            continue                     # discrete (no gradient flows through it), or inside the one op
         leaves = [a.detach().requires_grad_(True) for a in args]
         params = [p for p in m.parameters() if p.requires_grad]
         out = fn(*leaves)
