@@ -78,7 +78,10 @@ CMP_TILE = 64                  # compressed tokens per tile of the compressed pa
 # B=1 38.6-39.2 us without, 37.8-38.1 waiting only, 35.5-35.9 with the early trigger; B=16
 # 131.0-131.6 / 129.5-130.2 / 130.6-131.1 us (128k: 203.4-204.2 / 202.5-203.5 / 204.2-205.7)
 PDL = True
-EARLY_TRIGGER_ROWS = 16        # B·G up to which the early trigger is used (measured: 4 yes, 64 no)
+# B·G up to which the early trigger is used; H100, 64k, graph-replayed step, wait-only vs early trigger:
+# B·G 4: 34.9-37.2 / 34.3-34.7 us, 8: 46.2-46.3 / 45.3-45.5, 16: 58.6-59.1 / 58.2-58.4, 32: 82.6-83.0 /
+# 82.8-83.1, 64: 129.3-129.4 / 130.9-131.0
+EARLY_TRIGGER_ROWS = 16
 
 
 @triton.jit

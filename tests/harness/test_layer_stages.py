@@ -8,6 +8,7 @@ from nsa_validate import layer_table
 from nsa_validate.bench import layer
 from nsa_validate.extra import SuiteExtra
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_EVERYWHERE = routing.RoutingPolicy(sel_triton_min_len=1, cmp_triton_min_len=1, select_triton_min_len=1,
                                           mix_triton_min_len=1, win_triton_min_len=1)
 
@@ -15,9 +16,9 @@ TRITON_EVERYWHERE = routing.RoutingPolicy(sel_triton_min_len=1, cmp_triton_min_l
 def test_one_op_only_where_every_stage_is_on_triton():
     import kernels  # noqa: F401  (registers the Triton backends)
     m = NSAAttention(tiny(), TRITON_EVERYWHERE)
-    assert m.one_op(m.routes(64, torch.device("cpu"), torch.float32)) is not None
+    assert m.one_op(m.routes(64, DEV, torch.float32)) is not None
     m = NSAAttention(tiny(), routing.RoutingPolicy())
-    assert m.one_op(m.routes(64, torch.device("cpu"), torch.float32)) is None
+    assert m.one_op(m.routes(64, DEV, torch.float32)) is None
 
 
 def _row(stages_fwd: dict, stages_bwd: dict) -> layer.Row:
