@@ -398,7 +398,10 @@ def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm
     """Tiles one program walks (a power of two, at most MAX_TILES): as many as keep at least one
     program per SM in the launch (fewer chunks: fewer partials written and merged; an H100 sweep at
     B=16, 64k, d_k split 128 + 64: at most 16 tiles 0.1315 ms, 8 tiles 0.1342 ms; before the split,
-    8 tiles 0.1381 ms, 4 tiles 0.1475 ms). Fewer programs than SMs, for fewer partials to score
+    8 tiles 0.1381 ms, 4 tiles 0.1475 ms; for the window + selection launch, graph-replayed step at
+    B=16 / 4 / 1 with 8 / 2 / 1 tiles (the choice) 128.1-129.6 / 58.2-58.4 / 34.3-34.4 us, with 4
+    tiles 130.1 / 59.4 / 38.7, 2 tiles 134.8 at B=16, and 1 stage instead of 2, for more programs per
+    SM, 136.7-140.2 / 58.9-75.9 / 34.5-54.2). Fewer programs than SMs, for fewer partials to score
     and merge at small B, was slower (H100, 64k, graph-replayed step: B=1 37.2 / 41.5 / 76.3 us
     with half / a quarter / an eighth as many vs 35.5 us; B=4 64.6 vs 58.6 us)."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
