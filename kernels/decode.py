@@ -60,8 +60,8 @@ from nsa_core.config import BRANCHES, NSAConfig
 # vs 126.7-128.0 us); the compressed tiles through tensor descriptors (TMA) 72.7-73.6 / 6.6 us, with
 # 3 stages 82.2 us, with the loop warp-specialized 73.6 us (3 stages 82.1; 8 warps 90.5); 1 or 2
 # warps with tiles of 16 / 32 / 64 tokens and 2-4 stages, step 129.2-223.6 vs 128.3-130.3 us. ncu
-# (B=16): 2 programs of 4 warps per SM (220 registers, 88 KB of shared memory each), 61% of DRAM
-# peak, no eligible warp 74% of cycles
+# on the TMA variant (B=16): 2 programs of 4 warps per SM (220 registers, 88 KB of shared memory
+# each), 61% of DRAM peak, no eligible warp 74% of cycles
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
 # rows with them), and which branches' cache tokens each launch reads
