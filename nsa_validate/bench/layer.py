@@ -338,10 +338,6 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
         k_cmp, v_cmp = m.cmp_k(k), m.cmp_v(v)
         o_cmp, lse = m.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
         idx = m.select_from(q, k_cmp, routes, lse=lse)
-        parts = {"cmp": o_cmp,
-                 "sel": m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx),
-                 "win": m.run_branch("win", routes, q=q, k=k, v=v)}
-        g = m.gates(x)
     fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
@@ -350,13 +346,17 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
            "sel attention": (lambda q, k, v: m.run_branch("sel", routes, q=q, k=k, v=v, idx=idx), (q, k, v)),
            "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v))}
     if one is None:
-        fns["gate + mix"] = (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts.values()))
-    else:
         with torch.no_grad():
-            o = one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp).reshape(*x.shape[:2], -1)
+            parts = (o_cmp, fns["sel attention"][0](q, k, v), fns["win attention"][0](q, k, v))
+        fns["gate + mix"] = (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts))
+    else:
+        def one_fn(g, q, k, v, kc, vc):
+            return one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=kc, v_cmp=vc)
+        with torch.no_grad():
+            g = m.gates(x)
+            o = one_fn(g, q, k, v, k_cmp, v_cmp).reshape(*x.shape[:2], -1)
         fns["gate + out proj"] = (lambda x, o: (m.gates(x), m.o_proj(o)), (x, o))
-        fns[ONE_OP] = (lambda g, q, k, v, kc, vc: one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=kc, v_cmp=vc),
-                       (g, q, k, v, k_cmp, v_cmp))
+        fns[ONE_OP] = (one_fn, (g, q, k, v, k_cmp, v_cmp))
     fwd, bwd = {}, {}
     for name, (fn, args) in fns.items():
         with torch.no_grad():
