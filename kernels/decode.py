@@ -51,7 +51,9 @@ from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
 # B=16 / B=1, ms): partial programs of 4 warps (8: 0.171-0.185 vs 0.136-0.138 at B=16), 2 stages
 # (3 stages hold one program per SM: 0.137-0.160); compressed tiles of 64 tokens (32: 0.137-0.165,
-# 16: 0.156-0.197 at B=16); merge programs of 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32).
+# 16: 0.156-0.197 at B=16); merge programs of 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32) below
+# B·G = 16, 16 from there (``_launch_shape``). Top-n programs of 8 warps (4: the same; 2: B=1 36.0-36.2 vs
+# 34.4-34.9 us; 1: 50.4-50.6 us at B=1, 145.4-145.7 at B=16).
 # Nsight Compute on the compressed partial (B=16, before the d_k split): 2 programs of 4 warps per
 # SM (registers and shared memory each allow 2), schedulers idle 71% of cycles; capping registers
 # for more programs per SM was slower (maxnreg 168 / 128: 76.3 / 83.7 us vs 72.8 us uncapped)
@@ -71,7 +73,6 @@ CACHE_READS = {"compressed partial (+ block sums)": ("cmp",), "window + selectio
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
-MERGE_COLS = 8                 # d_v columns one merge program covers
 CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
 # programmatic dependent launch (_grid_dependency) where the GPU has it; the next kernel's launch
 # is triggered early only for few (row · KV head)s. H100, paper config, graph-replayed step, 64k:
@@ -251,8 +252,11 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
     scores among the other causal blocks, ties to the lower index; written ascending, −1 padded.
 
-    n argmax passes. Measured slower on the H100 (paper config, 1024 blocks, eager kernel time vs
-    6.5 µs with 8 warps): one bitonic ``tl.sort`` of packed (score bits, index) keys and a threshold
+    The forced blocks are taken as they are, then one argmax pass per remaining slot (n − 3 past
+    block 1; passing over the forced blocks too, as n passes, took 6.5 vs 5.5 µs, eager kernel time
+    on the H100 at B=1, 64k; graph-replayed step 34.7-35.0 vs 33.7-33.9 µs). Measured slower than
+    the n passes on the H100 (paper config, 1024 blocks, eager kernel time vs 6.5 µs with 8 warps),
+    and so than this: one bitonic ``tl.sort`` of packed (score bits, index) keys and a threshold
     at the n-th, 8.1 µs; n max passes over such packed int64 keys, 7.3 µs (8 warps) / 7.4 (4); a
     radix select on the score bits (eight rounds of 4-bit digit counts), 10.1 µs (2048 blocks, at
     128k: step 68.7 vs 45.6 µs at B=1). Scoring and top-n as one launch (a program per row · KV head
@@ -268,14 +272,13 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     j = tl.arange(0, NBP)
     score = tl.load(SCORE + bg * NBP + j)
     causal = j <= cur
-    forced = (j == 0) | (j == cur) | (j == cur - 1)
+    forced = causal & ((j == 0) | (j == cur) | (j == cur - 1))
     n_take = tl.minimum(cur + 1, N_SEL)
-    key = tl.where(causal, score, float("-inf"))
-    key = tl.where(forced & causal, float("inf"), key)
-    chosen = tl.zeros([NBP], tl.int32)
-    for it in tl.static_range(N_SEL):
+    chosen = forced.to(tl.int32)
+    key = tl.where(causal & ~forced, score, float("-inf"))
+    for _ in range(n_take - tl.sum(chosen, 0)):
         a = tl.argmax(key, 0, tie_break_left=True)                   # ties: the lower block index
-        chosen = tl.where((j == a) & (it < n_take), 1, chosen)
+        chosen = tl.where(j == a, 1, chosen)
         key = tl.where(j == a, float("-inf"), key)
     rank = tl.cumsum(chosen, 0) - 1                                  # ascending order of the set
     dst = IDX + b * sib + g * sig
@@ -400,6 +403,17 @@ def _gdc(device, rows: int) -> int:
     return 2 if rows <= EARLY_TRIGGER_ROWS else 1
 
 
+def _launch_shape(rows: int) -> tuple[int, int]:
+    """(warps of a scoring program, d_v columns of a merge program) for a step over ``rows`` = B·G:
+    fewer, wider programs for few rows. H100, paper config, 64k, graph-replayed step (us), scoring
+    warps 4 / 2 / 1: B·G 4: 33.7-33.9 / 34.5-34.6 / 34.9-35.1; 16: 58.1 / 57.9-58.2 / 59.4-59.5;
+    64: 128.5-128.9 / 126.0-126.9 / 125.7-126.1 (128k: 200.2-200.6 / 197.2-197.6 / 195.9-196.9);
+    merge columns 8 / 16: B·G 4: 33.7-33.9 / 34.8-34.9; 16: 58.1 / 57.1-57.2; 64: 128.5-128.9 /
+    127.5-128.0 (128k: 200.2-200.6 / 199.7-200.0). (Scoring programs of 32 or 128 blocks instead
+    of 64, or 16 with 1 warp, were no faster at any B.)"""
+    return (4 if rows <= 4 else 2 if rows <= 16 else 1), (8 if rows < 16 else 16)
+
+
 def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm: int) -> int:
     """Tiles one program walks (a power of two, at most MAX_TILES): as many as keep at least one
     program per SM in the launch (fewer chunks: fewer partials written and merged; an H100 sweep at
@@ -443,6 +457,8 @@ class Plan:
     nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
     nbt_p: int                 # nbt padded to a power of two >= 16
     gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
+    score_warps: int           # warps of a scoring program (``_launch_shape``)
+    merge_cols: int            # d_v columns of a merge program
 
     @property
     def NC(self) -> int:
@@ -470,7 +486,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G))
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G), *_launch_shape(B * G))
 
 
 class Workspace:
@@ -538,7 +554,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
-                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=4, **pdl)
+                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **pdl)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
                             NBP=NBP, num_warps=SELECT_WARPS, **pdl)
@@ -546,7 +562,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
         _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, **common)
-    BDV_S = min(p.BDV, MERGE_COLS)
+    BDV_S = min(p.BDV, p.merge_cols)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
