@@ -175,7 +175,9 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
                 tau = c * CMP_TILES + ti
                 # fp32-accurate sums (the scores decide the selection, which must be the oracle's) in two
                 # tf32 products: p's top 11 significant bits (exact in tf32), then the rest. (tf32x3 makes
-                # a third, by over's low part: 0, over being 0/1.)
+                # a third, by over's low part: 0, over being 0/1. Three bf16 products of p's exact bf16
+                # split, sharing the first with p·v, measured no better on the H100: step B=16 64k 120.9-121.3
+                # vs 121.5-122.1 us, but B=1 128k 43.5 vs 42.1-42.2.)
                 p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
                 bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
                 at = (bg * NT + tau).to(tl.int64) * BH + rows
@@ -268,7 +270,10 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     128k: step 68.7 vs 45.6 µs at B=1). Scoring and top-n as one launch (a program per row · KV head
     computing all its block scores) was slower than the two: 12.0 vs 2.3 + 6.5 µs at B=1, 64k, 89.7 µs
     at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was launching the window's partials
-    with the compressed ones instead of with the selection's: step 140.7 vs 131.4 µs at B=16, 64k."""
+    with the compressed ones instead of with the selection's: step 140.7 vs 131.4 µs at B=16, 64k; or
+    as more programs of this launch, so that they run beside the top-n: 129.6-132.0 vs 129.9-130.3 µs
+    at B=16, 61.1 vs 58.6-58.8 at B=4 (this launch took 14.7 µs, the selection's alone 20.4: the
+    window's bytes only moved from one launch to the other)."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
