@@ -16,9 +16,9 @@ that runs into the next chunk's first block carries its share over), and moves t
 candidates that beat the running top-BB list into it (one comparison when none does). Nothing of
 size [T, N] or [T, NB] is ever written to memory: the scores live in registers one chunk at a time.
 
-A candidate is one int64 key: the fp32 score's bits (non-negative floats order like their
-bit patterns; a forced block gets +inf's) above 2³¹ − 1 − j, so keys are distinct, order by
-score and, among equal scores, put the lower block first. Non-causal blocks never enter.
+A candidate is a pair (the fp32 score's bits, its block j): non-negative floats order like their
+bit patterns (a forced block gets +inf's); a higher score wins, and among equal scores the lower
+block. Non-causal blocks never enter.
 
 Needs l' a multiple of d with l'/d a power of two, and l <= l' + d (a span touches at most two
 blocks); ``unavailable`` says so otherwise.
@@ -40,27 +40,43 @@ from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descripto
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
-NO_KEY: tl.constexpr = tl.constexpr(-(2 ** 62))     # a non-causal block: below every real key and empty slot
+NO_BLOCK: tl.constexpr = tl.constexpr(-2)        # a non-causal candidate's score bits: below every real one and empty slot
+EMPTY_J: tl.constexpr = tl.constexpr(2 ** 30)   # empty slots' block numbers (+ slot): after every real block
 
 
 @triton.jit
-def _insert_top(top, key):
-    """Move the candidates of ``key`` [BT, BB] that beat the smallest of ``top`` [BT, BB] into it,
-    largest first, until none does. Keys are distinct, so each step moves one per row; a chunk
-    with nothing better costs one comparison (no sort)."""
-    cmax = tl.max(key, 1)
-    tmin = tl.min(top, 1)
-    while tl.max((cmax > tmin).to(tl.int32), 0) > 0:
-        ins = cmax > tmin
-        top = tl.where(ins[:, None] & (top == tmin[:, None]), cmax[:, None], top)
-        key = tl.where(ins[:, None] & (key == cmax[:, None]), NO_KEY, key)
-        cmax = tl.max(key, 1)
-        tmin = tl.min(top, 1)
-    return top
+def _insert_top(ts, tj, cs, cj):
+    """Move the candidates (score bits ``cs``, block ``cj``) [BT, BB] that beat the worst entry of
+    the running list (``ts``, ``tj``) [BT, BB] into it, best first, until none does. An entry beats
+    another with a higher score, or the same score and a lower block (ties to the lower index); the
+    pairs are distinct, so each step moves one per row; a chunk with nothing better costs one
+    comparison (no sort). 32-bit pairs, not one int64 key: int64 max/min/select took ~1/3 of the
+    kernel's instructions."""
+    cmax, cjm, tmin, tjm = _best_and_worst(ts, tj, cs, cj)
+    better = (cmax > tmin) | ((cmax == tmin) & (cjm < tjm))
+    while tl.max(better.to(tl.int32), 0) > 0:
+        slot = better[:, None] & (ts == tmin[:, None]) & (tj == tjm[:, None])
+        ts = tl.where(slot, cmax[:, None], ts)
+        tj = tl.where(slot, cjm[:, None], tj)
+        cs = tl.where(better[:, None] & (cj == cjm[:, None]), NO_BLOCK, cs)
+        cmax, cjm, tmin, tjm = _best_and_worst(ts, tj, cs, cj)
+        better = (cmax > tmin) | ((cmax == tmin) & (cjm < tjm))
+    return ts, tj
 
 
 @triton.jit
-def _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC, KCB,
+def _best_and_worst(ts, tj, cs, cj):
+    """Per row: the best candidate (highest score bits, then lowest block) and the list's worst
+    entry (lowest score bits, then highest block): (cmax, its block, tmin, its block) [BT] each."""
+    cmax = tl.max(cs, 1)
+    cjm = tl.min(tl.where(cs == cmax[:, None], cj, 2 ** 31 - 1), 1)
+    tmin = tl.min(ts, 1)
+    tjm = tl.max(tl.where(ts == tmin[:, None], tj, -1), 1)
+    return cmax, cjm, tmin, tjm
+
+
+@triton.jit
+def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC, KCB,
                  sqt, sqh, skt, skh, slt, slh, scale_log2,
                  CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
                  BT: tl.constexpr, BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
@@ -96,8 +112,8 @@ def _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, 
     causal = tok_ok[:, None] & (j[None, :] <= cur[:, None])
     forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
     bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
-    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
-    return _insert_top(top, tl.where(causal, key, NO_KEY)), carry
+    ts, tj = _insert_top(ts, tj, tl.where(causal, bits, NO_BLOCK), j[None, :] + tl.zeros([BT, BB], tl.int32))
+    return ts, tj, carry
 
 
 @triton.jit
@@ -124,17 +140,20 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
         t_last = tl.minimum(t0 + BT, seq_len) - 1
         n_hi = tl.minimum(_n_cmp(t_last, CMP_LEN, CMP_STRIDE), n_seq)
         c_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BCS     # chunks every token sees whole
-        top = -1 - jb[None, :].to(tl.int64) + tl.zeros([BT, BB], tl.int64)   # empty slots: distinct, < 0
+        ts = tl.full([BT, BB], -1, tl.int32)                            # empty slots: below every real score,
+        tj = EMPTY_J + jb[None, :] + tl.zeros([BT, BB], tl.int32)       # distinct, after every real block
         carry = tl.zeros([BT], tl.float32)
         for c in range(0, c_full):
-            top, carry = _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
+            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
                                       ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
                                       H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA)
         for c in range(c_full, t_last // BLOCK // BB + 1):
-            top, carry = _score_chunk(top, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
+            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
                                       ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
                                       H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA)
-        # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending
+        # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending. As one
+        # int64 key per entry (score bits above 2³¹ − 1 − block: order by score, then lower block), once
+        top = (ts.to(tl.int64) << 32) | (0x7FFFFFFF - tj).to(tl.int64)
         top = tl.sort(top, 1, descending=True)
         taken = (top >= 0) & (jb[None, :] < N_SEL)
         blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)

@@ -572,6 +572,35 @@ def test_select_blocks(dt, h, dk, dv, S, record):
 
 
 @pytest.mark.parametrize("dt", CFG.dtypes)
+def test_select_exact_ties_go_to_the_lower_block(dt, record):
+    """Block selection where every causal block scores exactly the same (one compressed token per
+    block, l = d = l', q = 0, so every logit is exactly 0 and each row's probabilities are equal,
+    and h = 2 heads, whose sum p + p is exact in any order), with more causal blocks than the
+    kernel's running list holds: past the forced blocks the kernel must take the lowest-numbered
+    blocks, the oracle's rule, with no near-tie allowance."""
+    dtype = DTYPES[dt]
+    cmp, scoring = _require_cmp(dtype)
+    h, (dk, dv) = 2, CFG.head_dims[-1]
+    bs = CFG.block_size
+    cfg = dataclasses.replace(_cmp_cfg(h, dk, dv), cmp_len=bs, cmp_stride=bs)
+    S = (2 * max(32, cfg.n_selected) + 3) * bs + 3                   # more blocks than the kernel's running list
+    q, kc, vc, ncmp = _cmp_inputs(cfg, [S], dtype, seed=23)
+    q = torch.zeros_like(q)
+    with record.capture() as log:
+        _, lse = _cmp_run(cmp, q, kc, vc, [S], ncmp, cfg)
+        idx = scoring.select_blocks(q, kc, lse, cfg.cmp_len, cfg.cmp_stride, cfg.block_size, cfg.n_selected)
+    record.expect_ran(log, "kernel", "select", "triton")
+    (want, s32), = _select_oracle(q, kc, [S], ncmp, cfg, torch.float32)
+    t = S - 1
+    free = s32[t, :, 1:t // bs - 1]                                  # the last row's unforced causal blocks
+    assert free.numel() and (free == free[:, :1]).all(), "construction: the oracle's scores do not tie exactly"
+    differ = (idx.long() != want).any(-1)
+    record.metrics.update(rows=int(differ.numel()), rows_differ=int(differ.sum()))
+    assert not differ.any(), (f"{int(differ.sum())} rows differ from the oracle's blocks, first at t="
+                              f"{differ.nonzero()[0].tolist()}: {idx[differ][0].tolist()} vs {want[differ][0].tolist()}")
+
+
+@pytest.mark.parametrize("dt", CFG.dtypes)
 def test_select_varlen_nan_poisoned(dt, record):
     """Block selection on a packed batch (empty, 1-token, off-grid sequences) whose inputs are views
     into NaN-filled storage and whose output buffer starts as -7 everywhere: only owned values are
