@@ -40,7 +40,7 @@ from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descripto
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
-NO_BLOCK: tl.constexpr = tl.constexpr(-2)        # a non-causal candidate's score bits: below every real one and empty slot
+NO_BLOCK: tl.constexpr = tl.constexpr(-2)       # a non-causal candidate's score bits: below real ones and empty slots
 EMPTY_J: tl.constexpr = tl.constexpr(2 ** 30)   # empty slots' block numbers (+ slot): after every real block
 
 
@@ -144,13 +144,13 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
         tj = EMPTY_J + jb[None, :] + tl.zeros([BT, BB], tl.int32)       # distinct, after every real block
         carry = tl.zeros([BT], tl.float32)
         for c in range(0, c_full):
-            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
-                                      ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
-                                      H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA)
+            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g,
+                                         ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
+                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA)
         for c in range(c_full, t_last // BLOCK // BB + 1):
-            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov,
-                                      ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN, CMP_STRIDE,
-                                      H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA)
+            ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g,
+                                         ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
+                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA)
         # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending. As one
         # int64 key per entry (score bits above 2³¹ − 1 − block: order by score, then lower block), once
         top = (ts.to(tl.int64) << 32) | (0x7FFFFFFF - tj).to(tl.int64)

@@ -596,8 +596,9 @@ def test_select_exact_ties_go_to_the_lower_block(dt, record):
     assert free.numel() and (free == free[:, :1]).all(), "construction: the oracle's scores do not tie exactly"
     differ = (idx.long() != want).any(-1)
     record.metrics.update(rows=int(differ.numel()), rows_differ=int(differ.sum()))
-    assert not differ.any(), (f"{int(differ.sum())} rows differ from the oracle's blocks, first at t="
-                              f"{differ.nonzero()[0].tolist()}: {idx[differ][0].tolist()} vs {want[differ][0].tolist()}")
+    first = differ.nonzero()[0].tolist() if differ.any() else None
+    assert not differ.any(), (f"{int(differ.sum())} rows differ from the oracle's blocks, first at (t, g)={first}: "
+                              f"{idx[differ][0].tolist()} vs {want[differ][0].tolist()}")
 
 
 @pytest.mark.parametrize("dt", CFG.dtypes)
