@@ -46,7 +46,7 @@ EMPTY_J: tl.constexpr = tl.constexpr(2 ** 30)   # empty slots' block numbers (+ 
 
 @triton.jit
 def _insert_top(ts, tj, cs, cj):
-    """Move the candidates (score bits ``cs``, block ``cj``) [BT, BB] that beat the worst entry of
+    """Move the candidates (score bits ``cs`` [BT, BB], blocks ``cj`` [1, BB]) that beat the worst entry of
     the running list (``ts``, ``tj``) [BT, BB] into it, best first, until none does. An entry beats
     another with a higher score, or the same score and a lower block (ties to the lower index); the
     pairs are distinct, so each step moves one per row; a chunk with nothing better costs one
@@ -112,7 +112,7 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
     causal = tok_ok[:, None] & (j[None, :] <= cur[:, None])
     forced = (j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1)
     bits = tl.where(forced, 0x7F800000, blk.to(tl.int32, bitcast=True))
-    ts, tj = _insert_top(ts, tj, tl.where(causal, bits, NO_BLOCK), j[None, :] + tl.zeros([BT, BB], tl.int32))
+    ts, tj = _insert_top(ts, tj, tl.where(causal, bits, NO_BLOCK), j[None, :])
     return ts, tj, carry
 
 
