@@ -1,13 +1,15 @@
 """Triton NSA decode step: selection for the new token, then all three branches for all h heads
 of a KV group, split over the context (flash-decoding style), with no host synchronisation.
 
-A step is five launches over preallocated buffers (``DecodeStep`` adds the cache append first:
-``LAUNCHES``), so it can be captured in a CUDA graph (the position is a device tensor; no shape
-depends on it):
+A step is five launches over preallocated buffers (``LAUNCHES``), so it can be captured in a CUDA
+graph (the position is a device tensor; no shape depends on it):
 
 1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
-   compressed tokens). Each keeps an online softmax over its tiles and writes an unnormalised
-   partial (max, sum, acc). For selection it also writes, per tile of BNC compressed tokens and
+   compressed tokens). Given the new token's k/v (``DecodeStep``), it first writes them into the raw
+   cache: this launch reads no raw token (H100, graph-replayed step at 64k with the append in a
+   launch of its own vs here: B=1 33.4-33.7 vs 31.6-32.0 µs, B=16 120.1-122.8 vs 118.5-119.0).
+   Each program keeps an online softmax over its tiles and writes an unnormalised partial (max,
+   sum, acc). For selection it also writes, per tile of BNC compressed tokens and
    head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
    spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
    themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer).
@@ -22,7 +24,7 @@ depends on it):
 4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
    gate-weighted mix when a gate is given, and the tokens each branch's programs loaded.
 
-On Hopper and later the step's kernels (the cache append included) are launched as programmatic
+On Hopper and later the step's kernels (a separate cache append included) are launched as programmatic
 dependent launches: each is set up while the one before it runs and waits, first thing, until
 that one has finished and its writes are visible (``_grid_dependency``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed).
@@ -67,9 +69,9 @@ from nsa_core.config import BRANCHES, NSAConfig
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
 # rows with them), and which branches' cache tokens each launch reads
-LAUNCHES = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
+LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
-CACHE_READS = {"compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
+CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
@@ -125,7 +127,7 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
+def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
                     sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
                     scale_log2, c_lo,
                     G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
@@ -135,14 +137,19 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX,
                     NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr, NBT_P: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
-                    BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr,
-                    GDC: tl.constexpr = 0):
+                    BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0):
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     b = bg // G
     g = bg % G
     t = tl.load(POS + b)
+    if APPEND:
+        # the compressed launch also writes the new token's k/v (KN/VN [B, G, d], contiguous) at t, one
+        # program per (row, KV head): it reads no raw token, and the window/selection launch after it does
+        if c == c_lo:
+            _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV, BDA, BDB, BDV)
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
@@ -255,25 +262,46 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
 
 
 @triton.jit
+def _better(va, ja, vb, jb):
+    """(score va, block ja) before (vb, jb): a higher score, or the same and the lower block."""
+    return (va > vb) | ((va == vb) & (ja < jb))
+
+
+@triton.jit
+def _best_two(a1, ja1, a2, ja2, b1, jb1, b2, jb2):
+    """``tl.reduce`` combine: the best two of two ordered pairs (a1 before a2, b1 before b2), ordered."""
+    a_first = _better(a1, ja1, b1, jb1)
+    x, jx = tl.where(a_first, a2, a1), tl.where(a_first, ja2, ja1)   # the second: the loser of the
+    y, jy = tl.where(a_first, b1, b2), tl.where(a_first, jb1, jb2)   # firsts or the winner's second
+    x_first = _better(x, jx, y, jy)
+    return (tl.where(a_first, a1, b1), tl.where(a_first, ja1, jb1),
+            tl.where(x_first, x, y), tl.where(x_first, jx, jy))
+
+
+@triton.jit
 def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
                  NSP: tl.constexpr, NBP: tl.constexpr, GDC: tl.constexpr = 0):
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
     scores among the other causal blocks, ties to the lower index; written ascending, −1 padded.
 
-    The forced blocks are taken as they are, then one argmax pass per remaining slot (n − 3 past
-    block 1; passing over the forced blocks too, as n passes, took 6.5 vs 5.5 µs, eager kernel time
-    on the H100 at B=1, 64k; graph-replayed step 34.7-35.0 vs 33.7-33.9 µs). Measured slower than
-    the n passes on the H100 (paper config, 1024 blocks, eager kernel time vs 6.5 µs with 8 warps),
-    and so than this: one bitonic ``tl.sort`` of packed (score bits, index) keys and a threshold
-    at the n-th, 8.1 µs; n max passes over such packed int64 keys, 7.3 µs (8 warps) / 7.4 (4); a
-    radix select on the score bits (eight rounds of 4-bit digit counts), 10.1 µs (2048 blocks, at
-    128k: step 68.7 vs 45.6 µs at B=1). Scoring and top-n as one launch (a program per row · KV head
-    computing all its block scores) was slower than the two: 12.0 vs 2.3 + 6.5 µs at B=1, 64k, 89.7 µs
-    at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was launching the window's partials
-    with the compressed ones instead of with the selection's: step 140.7 vs 131.4 µs at B=16, 64k; or
-    as more programs of this launch, so that they run beside the top-n: 129.6-132.0 vs 129.9-130.3 µs
-    at B=16, 61.1 vs 58.6-58.8 at B=4 (this launch took 14.7 µs, the selection's alone 20.4: the
-    window's bytes only moved from one launch to the other)."""
+    The forced blocks are taken as they are, then the rest two at a time: each pass is one reduction
+    whose combine keeps the best two (score, block) pairs (``_best_two``). H100, eager kernel time,
+    1024 / 2048 blocks: 5.1-5.3 µs vs 5.5-5.8 with one argmax pass per slot (graph-replayed step at
+    64k: B=1 31.4-31.5 vs 31.6-32.0 µs, B=16 118.1-118.6 vs 118.5-119.0); the best four per pass,
+    7.6-8.0 µs. (n argmax passes that also went over the forced blocks took 6.5 µs at B=1, 64k.)
+    Slower still, each against n argmax passes (6.5 µs; 2048 blocks 6.8): one bitonic ``tl.sort`` of
+    packed (score bits, index) keys and a threshold at the n-th, 8.1 µs; n max passes over such
+    packed int64 keys, 7.3 µs; a radix select on the score bits (eight rounds of 4-bit digit counts),
+    10.1 µs (2048 blocks: step 68.7 vs 45.6 µs at B=1, 128k); R runs of the scores each giving its
+    best n − 3 by argmax passes within a warp, then the R·16 candidates ranked by comparing each with
+    every other, 6.0-9.9 µs for R = 4 / 8 (2048 blocks: 7.7-13.5 µs); 1 or 2 warps instead of 8, step
+    50.4 / 36.0 vs 34.4-34.9 µs at B=1 (4 warps: the same as 8). Scoring and top-n as one launch (a
+    program per row · KV head computing all its block scores) was slower than the two: 12.0 vs 2.3 +
+    6.5 µs at B=1, 64k, 89.7 µs at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was
+    launching the window's partials with the compressed ones instead of with the selection's: step
+    140.7 vs 131.4 µs at B=16, 64k; or as more programs of this launch, so that they run beside the
+    top-n: 129.6-132.0 vs 129.9-130.3 µs at B=16, 61.1 vs 58.6-58.8 at B=4 (this launch took 14.7 µs,
+    the selection's alone 20.4: the window's bytes only moved from one launch to the other)."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
@@ -287,10 +315,16 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     n_take = tl.minimum(cur + 1, N_SEL)
     chosen = forced.to(tl.int32)
     key = tl.where(causal & ~forced, score, float("-inf"))
-    for _ in range(n_take - tl.sum(chosen, 0)):
-        a = tl.argmax(key, 0, tie_break_left=True)                   # ties: the lower block index
-        chosen = tl.where(j == a, 1, chosen)
-        key = tl.where(j == a, float("-inf"), key)
+    left = n_take - tl.sum(chosen, 0)
+    # there are at least ``left`` causal blocks besides the forced ones: every pick is a real block
+    no_key = tl.full([NBP], float("-inf"), tl.float32)
+    no_block = tl.full([NBP], NBP, tl.int32)
+    for _ in range(tl.cdiv(left, 2)):
+        _, a, _, a2 = tl.reduce((key, j, no_key, no_block), 0, _best_two)
+        pick = (j == a) | ((j == a2) & (left >= 2))
+        chosen = tl.where(pick, 1, chosen)
+        key = tl.where(pick, float("-inf"), key)
+        left -= 2
     rank = tl.cumsum(chosen, 0) - 1                                  # ascending order of the set
     dst = IDX + b * sib + g * sig
     tl.store(dst + rank, j, mask=chosen != 0)
@@ -392,6 +426,21 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
 
 
 @triton.jit
+def _append_row(K, V, KN, VN, b, g, t, skb, skt, skg, svb, svt, svg, G: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BV: tl.constexpr):
+    """Copy row b, KV head g of the new token's k [B, G, d_k] / v [B, G, d_v] (contiguous) to position t;
+    d_k as two power-of-two parts (``common.head_dim_parts``)."""
+    ok = tl.arange(0, BDA)
+    tl.store(K + b * skb + t * skt + g * skg + ok, tl.load(KN + (b * G + g) * DK + ok, mask=ok < DK), mask=ok < DK)
+    if BDB > 0:
+        ok = BDA + tl.arange(0, BDB)
+        tl.store(K + b * skb + t * skt + g * skg + ok, tl.load(KN + (b * G + g) * DK + ok, mask=ok < DK),
+                 mask=ok < DK)
+    ov = tl.arange(0, BV)
+    tl.store(V + b * svb + t * svt + g * svg + ov, tl.load(VN + (b * G + g) * DV + ov, mask=ov < DV), mask=ov < DV)
+
+
+@triton.jit
 def _append_kernel(K, V, KN, VN, POS, skb, skt, svb, svt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr = 0):
     """Write row b's new k [G, d_k] / v [G, d_v] (contiguous) at its position into the caches."""
@@ -432,9 +481,11 @@ def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm
     8 tiles 0.1381 ms, 4 tiles 0.1475 ms; for the window + selection launch, graph-replayed step at
     B=16 / 4 / 1 with 8 / 2 / 1 tiles (the choice) 128.1-129.6 / 58.2-58.4 / 34.3-34.4 us, with 4
     tiles 130.1 / 59.4 / 38.7, 2 tiles 134.8 at B=16, and 1 stage instead of 2, for more programs per
-    SM, 136.7-140.2 / 58.9-75.9 / 34.5-54.2). Fewer programs than SMs, for fewer partials to score
-    and merge at small B, was slower (H100, 64k, graph-replayed step: B=1 37.2 / 41.5 / 76.3 us
-    with half / a quarter / an eighth as many vs 35.5 us; B=4 64.6 vs 58.6 us)."""
+    SM, 136.7-140.2 / 58.9-75.9 / 34.5-54.2; uneven splits, window / selection tiles 8 / 6, 8 / 5,
+    6 / 6, 4 / 6, no faster at B=16: 124.7-130.3 vs 125.3-125.6 us at 64k). Fewer programs than
+    SMs, for fewer partials to score and merge at small B, was slower (H100, 64k, graph-replayed
+    step: B=1 37.2 / 41.5 / 76.3 us with half / a quarter / an eighth as many vs 35.5 us; B=4 64.6
+    vs 58.6 us)."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2
@@ -529,12 +580,15 @@ class StepOut:
 
 
 def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRANCHES, gate=None,
-                     ws: Workspace | None = None, p: Plan | None = None, phase: str = "decode") -> StepOut:
+                     ws: Workspace | None = None, p: Plan | None = None, phase: str = "decode",
+                     append: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOut:
     """One decode step's attention for the new token of every batch row (see the module docstring).
 
     q [B, H, d_k]; k/v [B, T_max, G, d]; k_cmp/v_cmp [B, N_max, G, d]; pos [B] int32 on the device;
     gate [B, H, 3] (cmp, sel, win) or None. ``ws``/``p`` from ``plan``/``Workspace`` make the call
-    allocation-free (needed inside a CUDA graph); without them they are made here.
+    allocation-free (needed inside a CUDA graph); without them they are made here. ``append``: the
+    new token's (k [B, G, d_k], v [B, G, d_v]), written into k/v at pos first (by the compressed
+    launch, which reads no raw token: one launch fewer).
     """
     bad = set(branches) - set(BRANCHES)
     if bad or not branches:
@@ -551,14 +605,18 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS, **pdl)
-    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax,
+    fused = append is not None and bool(want & {"cmp", "sel"})
+    if append is not None and not fused:
+        append_token(k, v, *append, pos, cfg, p.gdc)
+    kn, vn = (a.contiguous() for a in append) if fused else (q, q)
+    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
     BG = B * p.G
     if want & {"cmp", "sel"}:
         _partial_kernel[(BG, p.C_CMP)](*args, 0, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
-                                      **common)
+                                      APPEND=fused, **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
@@ -606,15 +664,18 @@ class DecodeStep:
 
     def __call__(self, q, k_new=None, v_new=None, *, pos, gate=None) -> StepOut:
         c = self.cache
-        if k_new is not None:
-            self._append(k_new, v_new, pos)
         return decode_attention(q, c.k, c.v, c.k_cmp, c.v_cmp, pos, self.cfg, branches=self.branches,
-                                gate=gate, ws=self.ws, p=self.plan)
+                                gate=gate, ws=self.ws, p=self.plan,
+                                append=None if k_new is None else (k_new, v_new))
 
     def _append(self, k_new, v_new, pos) -> None:
-        c, cfg = self.cache, self.cfg
-        G = cfg.n_kv_heads
-        _append_kernel[(k_new.shape[0],)](c.k, c.v, k_new.contiguous(), v_new.contiguous(), pos, c.k.stride(0),
-                                          c.k.stride(1), c.v.stride(0), c.v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
-                                          BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v),
-                                          GDC=self.plan.gdc, launch_pdl=self.plan.gdc > 0)
+        append_token(self.cache.k, self.cache.v, k_new, v_new, pos, self.cfg, self.plan.gdc)
+
+
+def append_token(k, v, k_new, v_new, pos, cfg: NSAConfig, gdc: int = 0) -> None:
+    """Write the new token's k_new [B, G, d_k] / v_new [B, G, d_v] into the caches k/v at pos (one launch)."""
+    G = cfg.n_kv_heads
+    _append_kernel[(k_new.shape[0],)](k, v, k_new.contiguous(), v_new.contiguous(), pos, k.stride(0), k.stride(1),
+                                      v.stride(0), v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
+                                      BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v),
+                                      GDC=gdc, launch_pdl=gdc > 0)

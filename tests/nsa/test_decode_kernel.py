@@ -105,22 +105,23 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
     assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
 
 
-@pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal"])
-def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores):
+@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16)], ids=["64-blocks-n5", "128-blocks-n16"])
+@pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
+def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
-    oracle's ``select_blocks`` on the same scores, at every position of a 64-block cache. (The
+    oracle's ``select_blocks`` on the same scores, at positions all through the cache. (The
     interpreter's argmax always breaks ties to the lower index; on a GPU the kernel's own rule is
     what this checks.)"""
     import triton
 
     from kernels.decode import _topn_kernel
-    cfg = tiny(block_size=16, n_selected=5)
-    NB, G = 64, 2
+    cfg = tiny(block_size=16, n_selected=n_sel)
+    NB, G = nb, 2
     torch.manual_seed(5)
     s = {"distinct": torch.rand(1, G, NB), "quarter-steps": torch.randint(0, 4, (1, G, NB)) / 4,
-         "all-equal": torch.ones(1, G, NB)}[scores]
-    for t in range(0, NB * cfg.block_size, 7):
+         "all-equal": torch.ones(1, G, NB), "falling": -torch.arange(NB).float().expand(1, G, NB)}[scores]
+    for t in range(0, NB * cfg.block_size, 7 if NB <= 64 else 97):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
         _topn_kernel[(G,)](s.to(DEV).reshape(G, NB), pos, idx, idx.stride(0), idx.stride(1), G=G, BLOCK=cfg.block_size,
@@ -129,28 +130,32 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores):
         assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
 
 
-def test_graph_step_writes_the_token_and_allocates_nothing():
-    """DecodeStep: writes k/v at pos into the cache, reuses its workspace (same output buffers every
-    call), and gives the oracle's row t after the append."""
+@pytest.mark.parametrize("d_k,branches", [(16, ("cmp", "sel", "win")), (24, ("cmp", "sel", "win")), (16, ("win",))],
+                         ids=["append-in-compressed-launch", "append-d_k-in-two-parts", "append-own-launch"])
+def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches):
+    """DecodeStep: writes k/v at pos into the cache (in the compressed launch, or its own launch when
+    that does not run), reuses its workspace (same output buffers every call), and gives the oracle's
+    row t after the append."""
     from kernels.decode import DecodeStep
     torch.manual_seed(3)
-    m = NSAAttention(CFG).to(DEV)
-    x = torch.randn(2, 100, CFG.d_model, device=DEV)
+    cfg = tiny(block_size=16, n_selected=4, window=20, d_k=d_k) if d_k != CFG.d_k else CFG
+    m = NSAAttention(cfg).to(DEV)
+    x = torch.randn(2, 100, cfg.d_model, device=DEV)
     t = 63
     with torch.no_grad():
         q, k, v = m.project(x[:, :t + 1])
-        cache = DecodeCache(CFG, 2, 100, device=DEV)
+        cache = DecodeCache(cfg, 2, 100, device=DEV)
         cache.write_prefill(k[:, :t], v[:, :t], m.cmp_k(k), m.cmp_v(v))      # token t not yet written
-        step = DecodeStep(CFG, cache)
+        step = DecodeStep(cfg, cache, branches=branches)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
         r1 = step(q[:, t], k[:, t], v[:, t], pos=pos)
-        ptr = r1.out["sel"].data_ptr()
-        r2 = step(q[:, t], k[:, t], v[:, t], pos=pos)
-        assert r2.out["sel"].data_ptr() == ptr
         assert torch.equal(cache.k[:, t], k[:, t]) and torch.equal(cache.v[:, t], v[:, t])
+        ptr = r1.out[branches[0]].data_ptr()
+        r2 = step(q[:, t], k[:, t], v[:, t], pos=pos)
+        assert r2.out[branches[0]].data_ptr() == ptr
         ref = reference.forward(m, x[:, :t + 1])
-    for br in ("cmp", "sel", "win"):
-        assert compare(r2.out[br], ref[f"o_{br}"][:, t], None, dtype=torch.float32)["ok"], br
+    for br in branches:
+        assert compare(r1.out[br], ref[f"o_{br}"][:, t], None, dtype=torch.float32)["ok"], br
 
 
 def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkeypatch):
