@@ -83,7 +83,10 @@ CMP_TILE = 64                  # compressed tokens per tile of the compressed pa
 PDL = True
 # B·G up to which the early trigger is used; H100, 64k, graph-replayed step, wait-only vs early trigger:
 # B·G 4: 34.9-37.2 / 34.3-34.7 us, 8: 46.2-46.3 / 45.3-45.5, 16: 58.6-59.1 / 58.2-58.4, 32: 82.6-83.0 /
-# 82.8-83.1, 64: 129.3-129.4 / 130.9-131.0
+# 82.8-83.1, 64: 129.3-129.4 / 130.9-131.0. Above it, the early trigger in some launches only (each of
+# the 15 subsets of the first four) gained at most ~1 us: B·G 64 116.3-116.5 (scores and top-n) vs
+# 116.7-117.9 us, 128k 184.9-185.5 (top-n) vs 186.2-186.5, B·G 32 74.3-74.4 vs 75.4-75.6; in all four,
+# 123.6 us at B·G 64
 EARLY_TRIGGER_ROWS = 16
 
 
@@ -470,7 +473,8 @@ def _launch_shape(rows: int) -> tuple[int, int]:
     64: 128.5-128.9 / 126.0-126.9 / 125.7-126.1 (128k: 200.2-200.6 / 197.2-197.6 / 195.9-196.9);
     merge columns 8 / 16: B·G 4: 33.7-33.9 / 34.8-34.9; 16: 58.1 / 57.1-57.2; 64: 128.5-128.9 /
     127.5-128.0 (128k: 200.2-200.6 / 199.7-200.0). (Scoring programs of 32 or 128 blocks instead
-    of 64, or 16 with 1 warp, were no faster at any B.)"""
+    of 64, or 16 with 1 warp, were no faster at any B; nor were merge programs of 4 columns or of 8
+    warps, within 0.6 us at B·G 4-64: B·G 4 31.6 (8 columns, 8 warps) vs 32.1-32.2 us.)"""
     return (4 if rows <= 4 else 2 if rows <= 16 else 1), (8 if rows < 16 else 16)
 
 
