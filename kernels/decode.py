@@ -233,7 +233,11 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
                    H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr, CP: tl.constexpr,
                    NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
                    NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr, GDC: tl.constexpr = 0):
-    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP]."""
+    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP].
+    (These programs also merging the compressed branch's partials, a slice of d_v each, from the same
+    M and L, left the merge launch only the window's and selection's few chunks but was no faster:
+    H100, graph-replayed step, 64k B=1 31.3-31.7 vs 31.2-31.7 µs (scores 5.6 vs 2.3 µs eager, merge
+    2.8 vs 6.0), B=4 53.2-53.4 vs 52.0-52.1, B=16 119.0-119.4 vs 118.6-118.7; 128k B=4 75.5 vs 72.0.)"""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     rows = tl.arange(0, BH)
