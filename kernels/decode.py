@@ -308,7 +308,10 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     launching the window's partials with the compressed ones instead of with the selection's: step
     140.7 vs 131.4 µs at B=16, 64k; or as more programs of this launch, so that they run beside the
     top-n: 129.6-132.0 vs 129.9-130.3 µs at B=16, 61.1 vs 58.6-58.8 at B=4 (this launch took 14.7 µs,
-    the selection's alone 20.4: the window's bytes only moved from one launch to the other)."""
+    the selection's alone 20.4: the window's bytes only moved from one launch to the other); or as a
+    launch of their own on a second stream, beside the scoring and top-n: 64k B=16 117.6 vs
+    118.0-118.2 µs, 128k B=16 184.9-185.7 vs 186.1-186.9, but B=1 34.0-34.1 vs 31.0-31.6 and B=4
+    56.6-57.5 vs 51.7-51.8 (window chunks of 1 or 2 tiles there: slower at every B)."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
