@@ -293,9 +293,9 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
 
     The forced blocks are taken as they are, then the rest two at a time: each pass is one reduction
     whose combine keeps the best two (score, block) pairs (``_best_two``). H100, eager kernel time,
-    1024 / 2048 blocks: 5.1-5.3 µs vs 5.5-5.8 with one argmax pass per slot (graph-replayed step at
-    64k: B=1 31.4-31.5 vs 31.6-32.0 µs, B=16 118.1-118.6 vs 118.5-119.0); the best four per pass,
-    7.6-8.0 µs. (n argmax passes that also went over the forced blocks took 6.5 µs at B=1, 64k.)
+    1024 blocks (64k), B=1 / B=16: 5.1 / 5.3 µs vs 5.5 / 5.8 with one argmax pass per slot
+    (graph-replayed step: B=1 31.4-31.5 vs 31.6-32.0 µs, B=16 118.1-118.6 vs 118.5-119.0); the best
+    four per pass, 7.6 / 8.0 µs. (n argmax passes that also went over the forced blocks took 6.5 µs at B=1, 64k.)
     Slower still, each against n argmax passes (6.5 µs; 2048 blocks 6.8): one bitonic ``tl.sort`` of
     packed (score bits, index) keys and a threshold at the n-th, 8.1 µs; n max passes over such
     packed int64 keys, 7.3 µs; a radix select on the score bits (eight rounds of 4-bit digit counts),
