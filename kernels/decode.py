@@ -451,16 +451,13 @@ def _append_row(K, V, KN, VN, b, g, t, skb, skt, skg, svb, svt, svg, G: tl.const
 
 
 @triton.jit
-def _append_kernel(K, V, KN, VN, POS, skb, skt, svb, svt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr = 0):
-    """Write row b's new k [G, d_k] / v [G, d_v] (contiguous) at its position into the caches."""
+def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr = 0):
+    """The append as a launch of its own (``append_token``): program (b, g) writes row b, KV head g."""
     _grid_dependency(GDC)
     b = tl.program_id(0)
-    t = tl.load(POS + b).to(tl.int64)
-    ok = tl.arange(0, BK)
-    tl.store(K + b * skb + t * skt + ok, tl.load(KN + b * G * DK + ok, mask=ok < G * DK), mask=ok < G * DK)
-    ov = tl.arange(0, BV)
-    tl.store(V + b * svb + t * svt + ov, tl.load(VN + b * G * DV + ov, mask=ov < G * DV), mask=ov < G * DV)
+    _append_row(K, V, KN, VN, b, tl.program_id(1), tl.load(POS + b).to(tl.int64), skb, skt, skg, svb, svt, svg,
+                G, DK, DV, BDA, BDB, BV)
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -686,7 +683,8 @@ class DecodeStep:
 def append_token(k, v, k_new, v_new, pos, cfg: NSAConfig, gdc: int = 0) -> None:
     """Write the new token's k_new [B, G, d_k] / v_new [B, G, d_v] into the caches k/v at pos (one launch)."""
     G = cfg.n_kv_heads
-    _append_kernel[(k_new.shape[0],)](k, v, k_new.contiguous(), v_new.contiguous(), pos, k.stride(0), k.stride(1),
-                                      v.stride(0), v.stride(1), G=G, DK=cfg.d_k, DV=cfg.d_v,
-                                      BK=triton.next_power_of_2(G * cfg.d_k), BV=triton.next_power_of_2(G * cfg.d_v),
-                                      GDC=gdc, launch_pdl=gdc > 0)
+    BDA, BDB = head_dim_parts(cfg.d_k)
+    _append_kernel[(k_new.shape[0], G)](k, v, k_new.contiguous(), v_new.contiguous(), pos, k.stride(0), k.stride(1),
+                                        k.stride(2), v.stride(0), v.stride(1), v.stride(2), G=G, DK=cfg.d_k,
+                                        DV=cfg.d_v, BDA=BDA, BDB=BDB, BV=triton.next_power_of_2(cfg.d_v),
+                                        GDC=gdc, launch_pdl=gdc > 0)
