@@ -477,8 +477,9 @@ def _launch_shape(rows: int) -> tuple[int, int]:
     64: 128.5-128.9 / 126.0-126.9 / 125.7-126.1 (128k: 200.2-200.6 / 197.2-197.6 / 195.9-196.9);
     merge columns 8 / 16: B·G 4: 33.7-33.9 / 34.8-34.9; 16: 58.1 / 57.1-57.2; 64: 128.5-128.9 /
     127.5-128.0 (128k: 200.2-200.6 / 199.7-200.0). (Scoring programs of 32 or 128 blocks instead
-    of 64, or 16 with 1 warp, were no faster at any B; nor were merge programs of 4 columns or of 8
-    warps, within 0.6 us at B·G 4-64: B·G 4 31.6 (8 columns, 8 warps) vs 32.1-32.2 us.)"""
+    of 64, or 16 with 1 warp, were no faster at any B; merge programs of 4 columns or of 8 warps
+    gained under 1 us where they gained: B·G 4 31.6 (8 columns, 8 warps) vs 32.1-32.2 us, at 128k
+    40.0-40.3 (4 columns) vs 41.0; B·G 16 51.7-51.9 (16, 8 warps) vs 52.2; none at B·G 64.)"""
     return (4 if rows <= 4 else 2 if rows <= 16 else 1), (8 if rows < 16 else 16)
 
 
