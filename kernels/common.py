@@ -46,6 +46,14 @@ def head_dim_parts(d: int) -> tuple[int, int]:
 
 
 @triton.jit
+def ranks_before(va, ja, vb, jb):
+    """Selection order of (score va, block ja) against (vb, jb): True where a comes first, i.e. a
+    higher score, or the same score and the lower block (ties to the lower index, the oracle's rule;
+    the prefill and decode top-n both use it)."""
+    return (va > vb) | ((va == vb) & (ja < jb))
+
+
+@triton.jit
 def load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
     """Rows [R] of pointers, each to a d_k vector, loaded as two power-of-two parts: ([R, BDA],
     [R, BDB]), zero where not ``ok`` [R] or past d_k. BDB = 0: one part, returned twice (the

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, head_dim_parts, load_dk
+from kernels.common import LOG2E, head_dim_parts, load_dk, ranks_before
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -76,6 +76,9 @@ PARTIAL_STAGES = 2             # software-pipelining stages of a partial program
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
+# elements per piece of the append's row copy (``_copy``): 64 made the step ~1 us slower on the H100
+# (64k, B=1 32.2-32.7 vs 31.1-31.6 us, B=16 119.5 vs 118.4-118.5)
+COPY_CHUNK: tl.constexpr = tl.constexpr(128)
 # programmatic dependent launch (_grid_dependency) where the GPU has it; the next kernel's launch
 # is triggered early only for few (row · KV head)s. H100, paper config, graph-replayed step, 64k:
 # B=1 38.6-39.2 us without, 37.8-38.1 waiting only, 35.5-35.9 with the early trigger; B=16
@@ -152,7 +155,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
         # the compressed launch also writes the new token's k/v (KN/VN [B, G, d], contiguous) at t, one
         # program per (row, KV head): it reads no raw token, and the window/selection launch after it does
         if c == c_lo:
-            _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV, BDA, BDB, BDV)
+            _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV)
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
@@ -269,18 +272,12 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
 
 
 @triton.jit
-def _better(va, ja, vb, jb):
-    """(score va, block ja) before (vb, jb): a higher score, or the same and the lower block."""
-    return (va > vb) | ((va == vb) & (ja < jb))
-
-
-@triton.jit
 def _best_two(a1, ja1, a2, ja2, b1, jb1, b2, jb2):
     """``tl.reduce`` combine: the best two of two ordered pairs (a1 before a2, b1 before b2), ordered."""
-    a_first = _better(a1, ja1, b1, jb1)
+    a_first = ranks_before(a1, ja1, b1, jb1)
     x, jx = tl.where(a_first, a2, a1), tl.where(a_first, ja2, ja1)   # the second: the loser of the
     y, jy = tl.where(a_first, b1, b2), tl.where(a_first, jb1, jb2)   # firsts or the winner's second
-    x_first = _better(x, jx, y, jy)
+    x_first = ranks_before(x, jx, y, jy)
     return (tl.where(a_first, a1, b1), tl.where(a_first, ja1, jb1),
             tl.where(x_first, x, y), tl.where(x_first, jx, jy))
 
@@ -436,28 +433,29 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
 
 
 @triton.jit
+def _copy(DST, SRC, N: tl.constexpr):
+    """DST[:N] = SRC[:N], in COPY_CHUNK-element pieces (no power-of-two padding of N needed)."""
+    for o in tl.static_range(0, N, COPY_CHUNK):
+        i = o + tl.arange(0, COPY_CHUNK)
+        tl.store(DST + i, tl.load(SRC + i, mask=i < N), mask=i < N)
+
+
+@triton.jit
 def _append_row(K, V, KN, VN, b, g, t, skb, skt, skg, svb, svt, svg, G: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BV: tl.constexpr):
-    """Copy row b, KV head g of the new token's k [B, G, d_k] / v [B, G, d_v] (contiguous) to position t;
-    d_k as two power-of-two parts (``common.head_dim_parts``)."""
-    ok = tl.arange(0, BDA)
-    tl.store(K + b * skb + t * skt + g * skg + ok, tl.load(KN + (b * G + g) * DK + ok, mask=ok < DK), mask=ok < DK)
-    if BDB > 0:
-        ok = BDA + tl.arange(0, BDB)
-        tl.store(K + b * skb + t * skt + g * skg + ok, tl.load(KN + (b * G + g) * DK + ok, mask=ok < DK),
-                 mask=ok < DK)
-    ov = tl.arange(0, BV)
-    tl.store(V + b * svb + t * svt + g * svg + ov, tl.load(VN + (b * G + g) * DV + ov, mask=ov < DV), mask=ov < DV)
+                DV: tl.constexpr):
+    """Copy row b, KV head g of the new token's k [B, G, d_k] / v [B, G, d_v] (contiguous) to position t."""
+    _copy(K + b * skb + t * skt + g * skg, KN + (b * G + g) * DK, DK)
+    _copy(V + b * svb + t * svt + g * svg, VN + (b * G + g) * DV, DV)
 
 
 @triton.jit
 def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr = 0):
+                   DV: tl.constexpr, GDC: tl.constexpr = 0):
     """The append as a launch of its own (``append_token``): program (b, g) writes row b, KV head g."""
     _grid_dependency(GDC)
     b = tl.program_id(0)
     _append_row(K, V, KN, VN, b, tl.program_id(1), tl.load(POS + b).to(tl.int64), skb, skt, skg, svb, svt, svg,
-                G, DK, DV, BDA, BDB, BV)
+                G, DK, DV)
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -684,8 +682,6 @@ class DecodeStep:
 def append_token(k, v, k_new, v_new, pos, cfg: NSAConfig, gdc: int = 0) -> None:
     """Write the new token's k_new [B, G, d_k] / v_new [B, G, d_v] into the caches k/v at pos (one launch)."""
     G = cfg.n_kv_heads
-    BDA, BDB = head_dim_parts(cfg.d_k)
     _append_kernel[(k_new.shape[0], G)](k, v, k_new.contiguous(), v_new.contiguous(), pos, k.stride(0), k.stride(1),
                                         k.stride(2), v.stride(0), v.stride(1), v.stride(2), G=G, DK=cfg.d_k,
-                                        DV=cfg.d_v, BDA=BDA, BDB=BDB, BV=triton.next_power_of_2(cfg.d_v),
-                                        GDC=gdc, launch_pdl=gdc > 0)
+                                        DV=cfg.d_v, GDC=gdc, launch_pdl=gdc > 0)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descriptors_usable, dot_dk, head_dim_parts,
-                            launch_fitting, pow2, precision, usable)
+                            launch_fitting, pow2, precision, ranks_before, usable)
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
@@ -53,14 +53,14 @@ def _insert_top(ts, tj, cs, cj):
     comparison (no sort). 32-bit pairs, not one int64 key: int64 max/min/select took ~1/3 of the
     kernel's instructions."""
     cmax, cjm, tmin, tjm = _best_and_worst(ts, tj, cs, cj)
-    better = (cmax > tmin) | ((cmax == tmin) & (cjm < tjm))
+    better = ranks_before(cmax, cjm, tmin, tjm)
     while tl.max(better.to(tl.int32), 0) > 0:
         slot = better[:, None] & (ts == tmin[:, None]) & (tj == tjm[:, None])
         ts = tl.where(slot, cmax[:, None], ts)
         tj = tl.where(slot, cjm[:, None], tj)
         cs = tl.where(better[:, None] & (cj == cjm[:, None]), NO_BLOCK, cs)
         cmax, cjm, tmin, tjm = _best_and_worst(ts, tj, cs, cj)
-        better = (cmax > tmin) | ((cmax == tmin) & (cjm < tjm))
+        better = ranks_before(cmax, cjm, tmin, tjm)
     return ts, tj
 
 

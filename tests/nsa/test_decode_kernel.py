@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nsa_core import DecodeCache, NSAAttention, reference, routing, tiny
+from nsa_core.config import BRANCHES
 from nsa_validate.tolerance import compare
 
 # the cache is NaN-poisoned past the prefill: under the interpreter a read of it warns, and fails
@@ -130,8 +131,8 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
         assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
 
 
-@pytest.mark.parametrize("d_k,branches", [(16, ("cmp", "sel", "win")), (24, ("cmp", "sel", "win")), (16, ("win",))],
-                         ids=["append-in-compressed-launch", "append-d_k-in-two-parts", "append-own-launch"])
+@pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],
+                         ids=["append-in-compressed-launch", "append-d_k-144-two-pieces", "append-own-launch"])
 def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches):
     """DecodeStep: writes k/v at pos into the cache (in the compressed launch, or its own launch when
     that does not run), reuses its workspace (same output buffers every call), and gives the oracle's
