@@ -35,6 +35,12 @@ def cu_or_one(cu_seqlens: torch.Tensor | None, T: int, device) -> tuple[torch.Te
     return cu_seqlens, None
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (8 off a GPU: the interpreter's grids stay small)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+
+
 # -- head dimensions as two power-of-two parts ----------------------------------------------------
 # d_k = 192 padded to one 256-wide tile wastes a quarter of every product over it and of the
 # registers holding it; as 128 + 64 it wastes nothing.

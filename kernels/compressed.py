@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dkdv_update,
                             dot_dk, dq_update, gate_args, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk,
-                            pow2, precision, store_2d, store_dk, usable)
+                            pow2, precision, sm_count, store_2d, store_dk, usable)
 from nsa_core import dispatch
 
 
@@ -455,8 +455,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         big = wide and itemsize == 2
         measured = [{"BT": bt(128 if big else 64), "BC": 64, "num_warps": 8 if big else 4, "num_stages": 2}]
         tma = measured if itemsize == 2 else []
-    else:                        # split_len: a split gets at least this many queries (short sequences are not split)
-        split = {"NSPLIT": 8, "split_len": 4096}
+    else:                        # NSPLIT: the most query runs per chunk; split_len: the fewest queries a run gets
+        split = {"NSPLIT": 16, "split_len": 1024}
         measured = [{"BT": bt(64), "BC": 128, **split, "num_warps": 8, "num_stages": 2 if wide else 3},
                     {"BT": bt(64), "BC": 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
@@ -547,6 +547,23 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     return out, lse
 
 
+def _dkdv_splits(most: int, split_len: int, max_seqlen: int, chunks: int, n_sm: int, window: int) -> int:
+    """Query runs per chunk of the dk/dv kernel: as many as the longest sequence gives runs of at
+    least ``split_len`` queries (at most ``most``), halved while the grid of ``chunks`` · runs
+    programs holds more than 8 per SM. A window's chunks are seen by w queries: one run.
+
+    H100, 128/128, bf16, whole compressed backward (ms) by runs 1 / 2 / 4 / 8 / 16 / 32: 8k 4.65 /
+    2.58 / 1.56 / 1.08 / 1.22 / 1.81 (8 chosen; 2 before, from runs of at least 4096 queries), 16k
+    9.37 / 5.32 / 3.23 / 2.90 / 2.65 / 3.44 (16 chosen; 4 before), 64k 44.4 / 38.7 / 30.8 / 30.7 /
+    31.0 / 32.2 (8, as before); 8k at d_k 192: 6.99 / 3.77 / 2.33 / 1.76 / 2.19 / 2.91 (8; 2 before)."""
+    if window:
+        return 1
+    n = max(1, min(most, max_seqlen // split_len))
+    while n > 1 and chunks * n > 8 * n_sm:
+        n //= 2
+    return n
+
+
 def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
                              scale=None, max_seqlen: int | None = None, window: int = 0, gate=None, dgate=None,
                              dq=None, dk=None, dv=None, accumulate: bool = False):
@@ -600,9 +617,8 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
 
     def launch_dkdv(lc):
         BT, BC, nsplit, split_len = lc.pop("BT"), lc.pop("BC"), lc.pop("NSPLIT"), lc.pop("split_len")
-        # short sequences, and windows (a chunk's queries end w after it), need fewer splits
-        nsplit = 1 if window else max(1, min(nsplit, max_seqlen // split_len))
         NCH = triton.cdiv(max_cmp, BC)
+        nsplit = _dkdv_splits(nsplit, split_len, max_seqlen, NCH * G * B, sm_count(q.device), window)
         part_k = torch.empty(B * G * NCH * nsplit, BC, BDA + BDB, device=q.device, dtype=torch.float32)
         part_v = torch.empty(B * G * NCH * nsplit, BC, BDV, device=q.device, dtype=torch.float32)
         _cmp_dkdv_kernel[(NCH * nsplit, G, B)](

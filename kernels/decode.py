@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, head_dim_parts, load_dk, ranks_before
+from kernels.common import LOG2E, head_dim_parts, load_dk, ranks_before, sm_count
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -544,7 +544,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     BN = max(16, triton.next_power_of_2(cfg.block_size))
     # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
     BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 8
+    n_sm = sm_count(device)
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), cfg.n_selected
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
