@@ -258,7 +258,11 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # selected K/V blocks; 5.7-8.7 GB from DRAM) at 76-79% of L2 peak: bandwidth-bound, not
     # compute-bound. Loading the blocks as TMA tiles (host TensorDescriptor, triton 3.6, whole
     # 64-row tiles zeroed past the query) was slower at every warps/stages tried: fwd 27.6-105 ms
-    # vs 17.2, dq 28-107 ms vs 17.8. A program walking 2, 4 or 8 consecutive tokens in turn (so
+    # vs 17.2, dq 28-107 ms vs 17.8. As mdy666's flash-nsa loads them (1 warp, descriptor tiles
+    # [64, 1, d] used as loaded, masked pointer loads only for the query's own block, the one block
+    # that reaches past it) the forward gained little (H100, bf16, 2 stages, ms): d=128 8k 1.82 vs
+    # 1.96, 16k 3.95 vs 4.01, 64k 16.6 vs 16.8; d_k=192 8k 2.57 vs 2.58, 64k 24.4 vs 22.0 (3 stages
+    # 22.2; 2 warps slower everywhere) -- not taken. A program walking 2, 4 or 8 consecutive tokens in turn (so
     # the blocks neighbours share, block 0 and the local two, could come from L1) was slower too:
     # fwd 18.5-19.9 vs 17.4 ms, backward 35.1-37.3 vs 34.7 ms (d 128; d_k 192 likewise).
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
