@@ -713,6 +713,15 @@ def test_mix_fwd_bwd(dt, dv, R, record):
     record.assert_ok()
 
 
+def _kernel_module(cfg: NSAConfig, dtype, window_too: bool) -> NSAAttention:
+    """NSAAttention with compressed attention, block selection, the selection branch and the mix routed
+    to the kernels at every length, and the window too when ``window_too`` (then the layer runs the
+    one op of kernels/branches.py)."""
+    return NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
+                                           mix_triton_min_len=0, win_triton_min_len=0 if window_too else None)
+                        ).to(DEV).to(dtype)
+
+
 @pytest.mark.parametrize("path", ["per-branch", "fused"])
 @pytest.mark.parametrize("dt,S", MODULE)
 def test_module_fwd_bwd(dt, S, path, record):
@@ -728,8 +737,7 @@ def test_module_fwd_bwd(dt, S, path, record):
     cfg = _module_cfg()
     fused = path == "fused"
     torch.manual_seed(S)
-    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
-                                       mix_triton_min_len=0, win_triton_min_len=0 if fused else None)).to(DEV).to(dtype)
+    m = _kernel_module(cfg, dtype, window_too=fused)
     x = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype).requires_grad_(True)
     for br, d in m.routes(S, x.device, dtype).items():
         assert (br == "win" and not fused) or d.backend == "triton", f"{br} was not routed to the kernel: {d.reason}"
@@ -784,8 +792,7 @@ def test_module_no_host_sync(dt, record):
     cfg = _module_cfg()
     S = CFG.seq_lens[-1]
     torch.manual_seed(S)
-    m = NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
-                                       mix_triton_min_len=0, win_triton_min_len=0)).to(DEV).to(dtype)
+    m = _kernel_module(cfg, dtype, window_too=True)
     x = torch.randn(2, S, cfg.d_model, device=DEV).to(dtype).requires_grad_(True)
     dout = torch.randn_like(x)
 
