@@ -2,8 +2,12 @@
 
 On a GPU each repetition is bracketed by CUDA events on the current stream, so the figure is the
 GPU's time, not Python's; with ``graph=True`` the work is first captured in a CUDA graph and each
-repetition is one graph replay (no launch overhead at all). An optional L2 flush before every
-repetition makes the reads come from HBM. The raw samples are kept; the summary is the median and
+repetition is one graph replay (no launch overhead at all). With ``queued=True`` each repetition
+waits behind a GPU sleep that outlasts the host's launching of it, so every kernel is queued
+before the GPU reaches it: the figure is the GPU's work alone, without the gaps a slow host
+leaves. (CUDA events around a host-bound call measure the host: the GPU runs each kernel as it
+arrives. Only the queued figure tells such a call from a GPU-bound one.) An optional L2 flush
+before every repetition makes the reads come from HBM. The raw samples are kept; the summary is the median and
 the p20–p80 band, never a lone mean. On the CPU the timer is ``time.perf_counter`` and the result
 is labelled so (``timer == "cpu"``): such figures are noise for performance purposes.
 """
@@ -21,7 +25,7 @@ L2_FLUSH_BYTES = 256 << 20      # larger than any current L2 (H100 50 MB, B200 1
 
 @dataclass
 class Timing:
-    timer: str                       # "cuda_events" | "cuda_graph" | "cpu"
+    timer: str                       # "cuda_events" | "cuda_graph" | "cuda_queued" | "cpu"
     samples_ms: list[float]
     warmup: int
     l2_flush: bool
@@ -75,12 +79,31 @@ def _capture(fn: Callable[[], object]) -> Callable[[], None]:
     return g.replay
 
 
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once per process."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)                 # a first, untimed sleep (module load, clocks up)
+        a.record()
+        torch.cuda._sleep(10_000_000)
+        b.record()
+        b.synchronize()
+        _CYCLES_PER_MS = 10_000_000 / max(a.elapsed_time(b), 1e-3)
+    return _CYCLES_PER_MS
+
+
+_CYCLES_PER_MS: float | None = None
+
+
 def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, reps: int | None = None,
           budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 200, l2_flush: bool = True,
-          graph: bool = False, telemetry: bool = True) -> Timing:
+          graph: bool = False, queued: bool = False, telemetry: bool = True) -> Timing:
     """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps]),
     sized by one timed call after the warmup calls; else exactly ``reps``. ``graph``: time
-    replays of a CUDA graph of fn (GPU only)."""
+    replays of a CUDA graph of fn (GPU only). ``queued``: the GPU's work alone, each repetition
+    launched while the GPU sleeps (timer "cuda_queued"; GPU only). A function that waits on the GPU
+    inside cannot get ahead of it, and its queued figure stays its plain one."""
     def n_reps(est_ms: float) -> int:
         return reps or max(min_reps, min(max_reps, int(budget_ms / max(est_ms, 1e-3))))
 
@@ -111,15 +134,25 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
         e1.record()
         torch.cuda.synchronize()
     n = reps or n_reps(e0.elapsed_time(e1))
+    sleep = 0
+    if queued:                      # outlast the host's launching of one repetition, twice over
+        t0 = time.perf_counter()
+        run()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        sleep = int((2 * host_ms + 0.5) * _sleep_cycles_per_ms())
+        torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
         if flush is not None:
             flush.zero_()
+        if sleep:
+            torch.cuda._sleep(sleep)
         starts[i].record()
         run()
         ends[i].record()
     torch.cuda.synchronize()
     samples = [a.elapsed_time(b) for a, b in zip(starts, ends)]
     after = _telemetry() if telemetry else {}
-    return Timing("cuda_graph" if graph else "cuda_events", samples, warmup, l2_flush, before, after)
+    timer = "cuda_graph" if graph else "cuda_queued" if queued else "cuda_events"
+    return Timing(timer, samples, warmup, l2_flush, before, after)

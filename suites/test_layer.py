@@ -76,7 +76,7 @@ def test_bench(shape, record, compiled):
                 continue
             dims = None if name == "nsa" else row.dense[name.removeprefix("dense_")].attention_dims
             rec = record.timing(f"{name}_{phase}", meas.timing, flops=mult * _flops(shape, dims))
-            rec.update(host_ms=meas.host_ms, peak_gib=meas.peak_gib, host_bound=meas.host_bound)
+            rec.update(host_ms=meas.host_ms, peak_gib=meas.peak_gib, gpu_ms=meas.gpu_ms, host_bound=meas.host_bound)
     for stage, meas in {**{f"stage_fwd/{k}": v for k, v in row.stages_fwd.items()},
                         **{f"stage_bwd/{k}": v for k, v in row.stages_bwd.items()}}.items():
         if meas.oom:

@@ -1,5 +1,9 @@
-"""The one timing helper: summary statistics, and an honest label on a CPU."""
+"""The one timing helper: summary statistics, an honest label on a CPU, and the GPU's work alone
+(queued) that tells a host-bound measurement."""
+import time
+
 import pytest
+import torch
 
 from nsa_validate import timing
 
@@ -21,3 +25,50 @@ def test_cpu_bench_is_labelled_cpu_and_respects_reps():
     calls = []
     t = timing.bench(lambda: calls.append(1), device="cpu", warmup=2, reps=7)
     assert t.timer == "cpu" and len(t.samples_ms) == 7 and len(calls) == 2 + 7     # no sizing call
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
+def test_queued_timing_tells_a_host_bound_call_from_a_gpu_bound_one():
+    """CUDA events around a call that launches slower than the GPU runs measure the host; queued,
+    the same call shows the GPU's work alone. A GPU-bound call measures the same both ways."""
+    x = torch.randn(64, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+
+    def host_bound():                    # 20 tiny kernels, 0.5 ms of Python between them
+        for _ in range(20):
+            x.mul_(1.0)
+            time.sleep(5e-4)
+
+    def gpu_bound():
+        for _ in range(10):
+            a @ a
+
+    for fn, bound in ((host_bound, True), (gpu_bound, False)):
+        plain = timing.bench(fn, reps=5, telemetry=False)
+        queued = timing.bench(fn, reps=5, queued=True, telemetry=False)
+        assert plain.timer == "cuda_events" and queued.timer == "cuda_queued"
+        ratio = plain.median_ms / queued.median_ms
+        if bound:
+            assert plain.median_ms >= 10.0 and ratio > 5, (plain.median_ms, queued.median_ms)
+        else:
+            assert 0.8 < ratio < 1.25, (plain.median_ms, queued.median_ms)
+
+
+def test_layer_measurement_is_host_bound_by_its_gpu_work_alone(tmp_path):
+    """A layer measurement is host-bound when its timed figure exceeds the GPU's work alone by
+    HOST_BOUND, and the tables then show the GPU's figure beside it; host time alone decides
+    nothing (CUDA events around a host-bound call measure the host, so the two agree)."""
+    from nsa_validate import layer_table
+    from nsa_validate.bench import layer
+    slow = layer.Measured(ms=1.12, p20_ms=1.1, p80_ms=1.2, host_ms=1.1, gpu_ms=0.22, timer="cuda_events")
+    fine = layer.Measured(ms=10.0, p20_ms=9.9, p80_ms=10.1, host_ms=0.5, gpu_ms=9.8, timer="cuda_events")
+    unknown = layer.Measured(ms=3.0, p20_ms=3.0, p80_ms=3.0, host_ms=3.0, timer="cuda_events")    # before gpu_ms
+    assert slow.host_bound and slow.host_ratio == pytest.approx(1.12 / 0.22)
+    assert not fine.host_bound and not unknown.host_bound and unknown.host_ratio is None
+    assert layer_table._cell(slow) == "1.120 (GPU 0.220)" and layer_table._cell(fine) == "10.000"
+    row = layer.Row(layer.Shape(1, 8192, 2048, 4, 16, 128, 128), {}, fine, fine, {}, {}, {},
+                    {"compression": slow}, {"compression": slow})
+    assert layer.Row.from_dict(row.to_dict()).stages_bwd["compression"].gpu_ms == 0.22
+    rec = layer_table.records([row])[0]
+    assert rec["nsa_fwd_gpu_ms"] == 9.8 and rec["host_bound"] is False
+    assert layer_table._stage_cell(row, "compression") == "1.120 (GPU 0.220) / 1.120 (GPU 0.220)"
