@@ -298,7 +298,11 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     packed int64 keys, 7.3 µs; a radix select on the score bits (eight rounds of 4-bit digit counts),
     10.1 µs (2048 blocks: step 68.7 vs 45.6 µs at B=1, 128k); R runs of the scores each giving its
     best n − 3 by argmax passes within a warp, then the R·16 candidates ranked by comparing each with
-    every other, 6.0-9.9 µs for R = 4 / 8 (2048 blocks: 7.7-13.5 µs); 1 or 2 warps instead of 8, step
+    every other, 6.0-9.9 µs for R = 4 / 8 (2048 blocks: 7.7-13.5 µs); each scoring program keeping
+    its n − 3 best as sorted int64 keys and this program picking from those (256 candidates at 64k)
+    by two sorts, top-n 3.7 vs 5.1 µs but scoring 3.0 vs 2.3 (B=1, 64k): graph-replayed step 64k
+    B=1 / 4 / 16 22.5 / 44.3 / 110.4 vs 23.3 / 45.9 / 111.3 µs, 128k B=1 / 16 30.0-32.7 /
+    178.5-181.8 vs 31.1 / 178.4 (1-8 warps), within a microsecond; 1 or 2 warps instead of 8, step
     50.4 / 36.0 vs 34.4-34.9 µs at B=1 (4 warps: the same as 8). Scoring and top-n as one launch (a
     program per row · KV head computing all its block scores) was slower than the two: 12.0 vs 2.3 +
     6.5 µs at B=1, 64k, 89.7 µs at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was
