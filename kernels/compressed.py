@@ -373,20 +373,22 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
 
 @triton.jit
 def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdvh, scale, NCH,
-                            DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PK: tl.constexpr,
-                            BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr, ACC: tl.constexpr):
+                            DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                            PK: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, NSPLIT: tl.constexpr,
+                            ACC: tl.constexpr):
     """dk/dv of BR compressed tokens of a chunk and one KV head: the chunk's splits summed in order
     (deterministic). A PART_K row holds PK columns (the dk/dv kernel's two d_k parts). ACC: added to
     what DKC/DVC hold. (A program per whole chunk of BC = 128 made too few programs: 32 at 16k, G=4,
     for the 16 splits' 67 MB; ``REDUCE_ROWS``.)"""
     c = tl.program_id(0) // (BC // BR)
+    r0 = tl.program_id(0) % (BC // BR) * BR                                   # first row of the chunk taken
     g = tl.program_id(1)
     b = tl.program_id(2)
     cbos = tl.load(CUC + b)
     n_seq = tl.load(CUC + b + 1) - cbos
-    offs_c = (tl.program_id(0) % (BC // BR)) * BR + tl.arange(0, BR)          # rows of the chunk
-    i = c * BC + offs_c
-    if c * BC + (tl.program_id(0) % (BC // BR)) * BR < n_seq:
+    if c * BC + r0 < n_seq:
+        offs_c = r0 + tl.arange(0, BR)
+        i = c * BC + offs_c
         inb = i < n_seq
         kc = (cbos + i).to(tl.int64)
         every = offs_c >= 0

@@ -79,6 +79,9 @@ def _capture(fn: Callable[[], object]) -> Callable[[], None]:
     return g.replay
 
 
+_CYCLES_PER_MS: float | None = None             # torch.cuda._sleep's rate, measured on first use
+
+
 def _sleep_cycles_per_ms() -> float:
     """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once per process."""
     global _CYCLES_PER_MS
@@ -91,9 +94,6 @@ def _sleep_cycles_per_ms() -> float:
         b.synchronize()
         _CYCLES_PER_MS = 10_000_000 / max(a.elapsed_time(b), 1e-3)
     return _CYCLES_PER_MS
-
-
-_CYCLES_PER_MS: float | None = None
 
 
 def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, reps: int | None = None,
