@@ -95,7 +95,15 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
         vis = tok_ok[:, None] & inb[None, :] & (i[None, :] * CMP_STRIDE + CMP_LEN - 1 <= tok[:, None])
     psum = tl.zeros([BT, BCS], tl.float32)
     for hh in range(H_PER_G):
-        head = g * H_PER_G + hh
+        # q is re-read for every chunk (a program's 64 tokens × h heads are 256 KB at d_k 128, more
+        # than it can hold), and the ~2 programs per SM together hold more q than L2 does: at 64k on
+        # the H100 the kernel read 17.5 GB from DRAM (ncu), about what re-reading q per chunk comes
+        # to (17.3 GB). Heads go in ascending order on even chunks and descending on odd ones, so the
+        # heads read last in one chunk come first in the next while still in L2: 14.5 GB, 7.81 ->
+        # 7.29 ms at d_k 128 (d_k 192: 27.8 -> 26.9 GB, 10.93 -> 10.96-11.00 ms). Programs of 16 or
+        # 32 tokens with 2-16 heads in the rows of one dot, so that q stays in L2, were slower
+        # (11.1-27.8 vs 7.9 ms at d_k 128): summing the heads' rows costs a layout conversion
+        head = g * H_PER_G + tl.where(c % 2 == 0, hh, H_PER_G - 1 - hh)
         qa, qb = _load_tile_dk(Q, QB, bos + t0, head, t * sqt + head * sqh, tok_ok, DK, BDA, BDB, BT, TMA, False)
         # rows past the sequence load lse = +inf: p = 0
         lse2 = tl.load(LSE + t * slt + head * slh, mask=tok_ok, other=float("inf")) * LOG2E_C
