@@ -264,7 +264,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # 1.96, 16k 3.95 vs 4.01, 64k 16.6 vs 16.8; d_k=192 8k 2.57 vs 2.58, 64k 24.4 vs 22.0 (3 stages
     # 22.2; 2 warps slower everywhere) -- not taken. A program walking 2, 4 or 8 consecutive tokens in turn (so
     # the blocks neighbours share, block 0 and the local two, could come from L1) was slower too:
-    # fwd 18.5-19.9 vs 17.4 ms, backward 35.1-37.3 vs 34.7 ms (d 128; d_k 192 likewise).
+    # fwd 18.5-19.9 vs 17.4 ms, backward 35.1-37.3 vs 34.7 ms (d 128; d_k 192 likewise). So was a
+    # forward program of two consecutive tokens loading a block both selected once (the second
+    # token's load masked off; its scores and p·v then two products each): 23.1-29.5 ms with 2-4
+    # warps and 2 stages vs 16.8 at 64k, d 128 (8k 2.9-3.5 vs 1.9; d_k 192 27.4-57.3 vs 21.9).
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
