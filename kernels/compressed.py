@@ -454,7 +454,10 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     The forward and dq with d_k in two parts as well (``_load_tile_dk``, two descriptors), at
     d_k=192 and the settings above: compressed forward 11.9 vs 12.8 ms, backward 44.1 vs 45.4;
     window forward 4.8 vs 5.1, backward 14.6 vs 15.2 (outputs bit-identical). Other settings at
-    d_k=192: forward 128 rows / 8 warps 12.6 (4 warps 13.4-14.3), dq 64 rows / 4 warps 45.2-47.6."""
+    d_k=192: forward 128 rows / 8 warps 12.6 (4 warps 13.4-14.3), dq 64 rows / 4 warps 45.2-47.6.
+    Later, the window forward at d_k=192 (descriptors, 2 stages): 64 rows / BC 32 / 4 warps 4.11 ms
+    vs 4.70 at 128 rows / BC 64 / 8 warps (128 rows / BC 32 / 4 warps 4.20, 3 stages 4.18; BC 128
+    6.8-14.5); at d=128 the best tried, 64 rows / BC 64 / 3 stages, 3.41 ms vs 3.48 (kept)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -464,6 +467,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         if itemsize == 2:
             tma = [{"BT": bt(256 if wide and not window else 128), "BC": 64, "num_warps": 8 if wide else 4,
                     "num_stages": 2}]
+            if wide and window:
+                tma = [{"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 2}]
         measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
                     {"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}] if itemsize == 2 else \
                    [{"BT": bt(64), "BC": 64, "num_warps": 8, "num_stages": 2}]
