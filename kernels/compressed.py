@@ -464,11 +464,10 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     tma = []
     if kernel == "fwd":          # fp32 tiles are twice the bytes: 256 rows do not fit in shared memory
         split = {}
-        if itemsize == 2:
-            tma = [{"BT": bt(256 if wide and not window else 128), "BC": 64, "num_warps": 8 if wide else 4,
-                    "num_stages": 2}]
-            if wide and window:
-                tma = [{"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 2}]
+        if itemsize == 2 and wide and window:
+            tma = [{"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 2}]
+        elif itemsize == 2:
+            tma = [{"BT": bt(256 if wide else 128), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}]
         measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
                     {"BT": bt(128), "BC": 64, "num_warps": 4, "num_stages": 2}] if itemsize == 2 else \
                    [{"BT": bt(64), "BC": 64, "num_warps": 8, "num_stages": 2}]
