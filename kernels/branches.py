@@ -9,8 +9,10 @@ the mix's dO and the branch's gate column instead: the gate folds into each row'
 (``common.gated_lse``: g·P = exp2(s − (lse2 − log2 g)), so the kernels' loops are unchanged),
 the dq kernel writes the gate's gradient rowsum(dO ∘ O_b) beside delta, and the second and third
 branches add their dq, dk, dv to the first's in the kernels' own stores (fp32 sums, rounded once
-per branch). The forward is the same launches as apart (compressed, scoring + top-n, selection,
-window, mix).
+per branch). The forward is four launches (compressed, scoring + top-n, selection, window): the
+window kernel takes the gate and the other two outputs and writes the gated sum as well, so no
+pass of its own re-reads the three outputs. Where no gradient is wanted (inference) the window's
+own output is not even stored, and nothing is kept for a backward.
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import compressed, mix, scoring, selection, window
+from kernels import compressed, scoring, selection, window
 
 
 @dataclass(frozen=True)
@@ -37,19 +39,26 @@ class Shape:
     max_seqlen: int
 
 
+def _forward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh: Shape, keep: bool):
+    """(o, idx, and with ``keep`` what the backward reads: o_b and lse_b of every branch)."""
+    # (no profiler range per stage: torch.profiler attributes no Triton kernel to one, so the
+    # kernels are attributed to the whole op, and the suites look for them block-wide)
+    o_cmp, lse_cmp = compressed.compressed_attention_fwd(q, k_cmp, v_cmp, sh.cmp_len, sh.cmp_stride, cu, cu_cmp,
+                                                         scale=sh.scale, max_seqlen=sh.max_seqlen)
+    idx = scoring.select_blocks(q, k_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, sh.block_size, sh.n_selected,
+                                cu, cu_cmp, scale=sh.scale, max_seqlen=sh.max_seqlen)
+    o_sel, lse_sel = selection.selection_attention_fwd(q, k, v, idx, sh.block_size, cu, scale=sh.scale,
+                                                       max_seqlen=sh.max_seqlen)
+    o_win, lse_win, o = window.window_attention_fwd(q, k, v, sh.window, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
+                                                    mix=(g, o_cmp, o_sel), keep_o=keep)
+    return o, idx, ((o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win) if keep else None)
+
+
 class _Branches(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh: Shape):
-        # (no profiler range per stage: torch.profiler attributes no Triton kernel to one, so the
-        # kernels are attributed to the whole op, and the suites look for them block-wide)
-        o_cmp, lse_cmp = compressed.compressed_attention_fwd(q, k_cmp, v_cmp, sh.cmp_len, sh.cmp_stride, cu, cu_cmp,
-                                                             scale=sh.scale, max_seqlen=sh.max_seqlen)
-        idx = scoring.select_blocks(q, k_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, sh.block_size, sh.n_selected,
-                                    cu, cu_cmp, scale=sh.scale, max_seqlen=sh.max_seqlen)
-        o_sel, lse_sel = selection.selection_attention_fwd(q, k, v, idx, sh.block_size, cu, scale=sh.scale,
-                                                           max_seqlen=sh.max_seqlen)
-        o_win, lse_win = window.window_attention_fwd(q, k, v, sh.window, cu, scale=sh.scale, max_seqlen=sh.max_seqlen)
-        o = mix.mix_fwd(g, (o_cmp, o_sel, o_win))
+        o, idx, (o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win) = _forward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh,
+                                                                              keep=True)
         ctx.save_for_backward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, idx, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win)
         ctx.sh = sh
         ctx.mark_non_differentiable(idx)
@@ -80,4 +89,8 @@ def nsa_branches(g, q, k, v, k_cmp, v_cmp, cu_seqlens, cu_cmp, sh: Shape) -> tup
     in g, q, k, v, k_cmp and v_cmp (see the module docstring for layouts)."""
     if g.shape != (*q.shape[:2], 3):
         raise ValueError(f"g must be [T, H, 3] = [{q.shape[0]}, {q.shape[1]}, 3]; got {tuple(g.shape)}")
-    return _Branches.apply(g.contiguous(), q, k, v, k_cmp, v_cmp, cu_seqlens, cu_cmp, sh)
+    args = (g.contiguous(), q, k, v, k_cmp, v_cmp, cu_seqlens, cu_cmp, sh)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (g, q, k, v, k_cmp, v_cmp)):
+        return _Branches.apply(*args)
+    o, idx, _ = _forward(*args, keep=False)
+    return o, idx

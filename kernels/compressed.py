@@ -183,14 +183,18 @@ def _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC,
 
 
 @triton.jit
-def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
-                    sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
-                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
-                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                    BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
-                    WITH_O: tl.constexpr, TMA: tl.constexpr):
+def _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                 CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
+                 DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                 BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                 WITH_O: tl.constexpr, TMA: tl.constexpr, MIX: tl.constexpr, KEEP_O: tl.constexpr):
     """o and lse of a tile of BT tokens × the h heads of KV head g (WITH_O=False: lse only, for
-    block scoring when the compressed branch itself ran elsewhere)."""
+    block scoring when the compressed branch itself ran elsewhere). MIX: also the gated sum of
+    this branch's output with two others, OM = g₀·OC + g₁·OS + g₂·O (GATE [T, H, 3] with strides
+    sgt, sgh; OC, OS, OM with O's strides), in fp32 from the outputs as stored, rounded once --
+    what ``kernels.mix`` computes, without its pass over the three outputs; KEEP_O=False: O
+    itself is not stored (inference: nothing will read it)."""
     g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
     if t0 < seq_len:
         qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
@@ -215,7 +219,47 @@ def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E_C)
         tl.store(LSE + t * slt + head * slh, lse, mask=ok)
         if WITH_O:
-            store_2d(O, t * sot + head * soh, acc / tl.where(empty, 1.0, l_i)[:, None], ok, DV, BDV)
+            base = t * sot + head * soh
+            o = acc / tl.where(empty, 1.0, l_i)[:, None]
+            if MIX:
+                o = o.to(O.dtype.element_ty).to(tl.float32)        # this branch's output as stored
+                if KEEP_O:
+                    store_2d(O, base, o, ok, DV, BDV)
+                gb = t * sgt + head * sgh
+                mixed = (tl.load(GATE + gb, mask=ok, other=0.0).to(tl.float32)[:, None]
+                         * load_2d(OC, base, ok, DV, BDV).to(tl.float32)
+                         + tl.load(GATE + gb + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
+                         * load_2d(OS, base, ok, DV, BDV).to(tl.float32)
+                         + tl.load(GATE + gb + 2, mask=ok, other=0.0).to(tl.float32)[:, None] * o)
+                store_2d(OM, base, mixed, ok, DV, BDV)
+            else:
+                store_2d(O, base, o, ok, DV, BDV)
+
+
+@triton.jit
+def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
+                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                    BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                    WITH_O: tl.constexpr, TMA: tl.constexpr):
+    _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, LSE, O, O, O,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, 0, 0, scale_log2,
+                 CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BC, BDA, BDB, BDV, PREC, WITH_O, TMA,
+                 False, True)
+
+
+@triton.jit
+def _cmp_fwd_mix_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
+                        sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                        BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
+                        PREC: tl.constexpr, TMA: tl.constexpr, KEEP_O: tl.constexpr):
+    # a kernel of its own name: the suites tell from the kernels the GPU ran that the mix ran here
+    _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                 CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BC, BDA, BDB, BDV, PREC, True, TMA, True, KEEP_O)
 
 
 @triton.jit
@@ -525,17 +569,32 @@ def _grid_sizes(cu, cmp_len, cmp_stride, max_seqlen):
 
 def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
                              scale=None, max_seqlen: int | None = None, out=None, lse=None, with_o: bool = True,
-                             window: int = 0):
+                             window: int = 0, mix=None, keep_o: bool = True):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
     (e.g. NaN-poisoned buffers in tests); every row of both is written. ``with_o=False``: the
     log-sum-exp alone (o is None; v_cmp is not read). ``window`` > 0: a query sees only the keys
-    that ended within its last ``window`` positions (the sliding-window branch: ``kernels.window``)."""
+    that ended within its last ``window`` positions (the sliding-window branch: ``kernels.window``).
+
+    ``mix`` = (g [T, H, 3], o_a [T, H, d_v], o_b [T, H, d_v]): also the gated sum g₀·o_a + g₁·o_b
+    + g₂·o in the same launch, as ``kernels.mix.mix_fwd(g, (o_a, o_b, o))`` computes it (fp32
+    from the stored outputs, rounded once), without that pass re-reading o, o_a and o_b; returns
+    (o, lse, the sum [T, H, d_v]). ``keep_o=False`` (with ``mix``): o is not stored (None)."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, dk = q.shape
     dv = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
     max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
-    if with_o and out is None:
+    if mix is not None:
+        g, o_a, o_b = mix
+        if not with_o or g.shape != (T, H, 3) or o_a.shape != (T, H, dv) or o_b.shape != (T, H, dv):
+            raise ValueError(f"mix needs the output and g [T, H, 3] = [{T}, {H}, 3] with two [{T}, {H}, {dv}] "
+                             f"outputs; got g {tuple(g.shape)}, {tuple(o_a.shape)}, {tuple(o_b.shape)}")
+        g, o_a, o_b = g.contiguous(), o_a.contiguous(), o_b.contiguous()
+        o_mix = torch.empty_like(o_a)
+        if out is not None and not out.is_contiguous():
+            raise ValueError("out must be contiguous with mix")
+    keep_o = keep_o or mix is None
+    if with_o and keep_o and out is None:
         out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     B = cu_seqlens.numel() - 1
@@ -554,17 +613,32 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
                 kc, kcb = descriptors_dk(k_cmp, lc["BC"], BDA, BDB)
                 vc = descriptor(v_cmp, [lc["BC"], 1, BDV]) if with_o else kc
                 dispatch.note("kernel", f"{name}_fwd@tma", "triton")
-            _cmp_fwd_kernel[(triton.cdiv(max_seqlen, BT), G, B)](
-                q, kc, kcb, vc, cu_seqlens, cu_cmp, o_arg, lse,
-                q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-                o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
-                CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=dk, DV=dv, BT=BT,
-                BH=triton.next_power_of_2(h),
-                BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), WITH_O=with_o, TMA=use_tma, **lc)
-        launch_fitting(f"{name}_fwd", (q.device, q.dtype, h, dk, dv, with_o, tma),
+            grid = (triton.cdiv(max_seqlen, BT), G, B)
+            common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=dk, DV=dv, BT=BT,
+                          BH=triton.next_power_of_2(h), BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), TMA=use_tma)
+            if mix is None:
+                _cmp_fwd_kernel[grid](
+                    q, kc, kcb, vc, cu_seqlens, cu_cmp, o_arg, lse,
+                    q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+                    o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+                    WITH_O=with_o, **common, **lc)
+            else:                 # o, o_a, o_b and the sum: contiguous [T, H, d_v], one set of strides
+                _cmp_fwd_mix_kernel[grid](
+                    q, kc, kcb, vc, cu_seqlens, cu_cmp, out if keep_o else o_mix, lse, g, o_a, o_b, o_mix,
+                    q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
+                    H * dv, dv, lse.stride(0), lse.stride(1), 3 * H, 3, scale * LOG2E,
+                    KEEP_O=keep_o, **common, **lc)
+        launch_fitting(f"{name}_fwd" + ("+mix" if mix is not None else ""), (q.device, q.dtype, h, dk, dv, with_o, tma,
+                                                                            mix is not None, keep_o),
                        usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0), tma),
                        launch)
         dispatch.note("kernel", f"{name}_fwd", "triton")
+        if mix is not None:
+            dispatch.note("kernel", f"{name}_fwd+mix", "triton")
+    if mix is not None:
+        if not (T and B and max_seqlen):
+            o_mix.zero_()
+        return out, lse, o_mix
     return out, lse
 
 

@@ -342,7 +342,13 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
 # selection backward (ms, two rounds) with 256 / 512 / 1024 / 2048: d=128 8k 4.22-4.24 / 4.14-4.16 /
 # 4.31-4.33 / 4.79-4.80, 16k 8.44-8.57 / 8.26-8.75 / 8.30-8.35 / 8.56-8.72, 64k 35.3 / 34.5-34.6 /
 # 33.8-34.3 / 33.7-33.8; d_k=192 8k 5.17-5.20 / 5.12-5.16 / 5.32-5.53 / 5.82-5.89, 64k 44.2-44.5 /
-# 42.7-43.9 / 42.0-43.1 / 42.2-42.6: within ~5% of the best everywhere
+# 42.7-43.9 / 42.0-43.1 / 42.2-42.6: within ~5% of the best everywhere. Also measured, not taken:
+# buckets cut by token span as well (g, ⌊t/span⌋, block), so that the segments running together read
+# the q and dO rows of a few thousand tokens, which stay in L2. At 64k, d 128 (ncu, dk/dv kernel)
+# DRAM reads fell from 29.7 to 24.3 / 20.0 GB with spans of 8192 / 4096 (L2 hit rate 32 -> 43 / 52%)
+# but the kernel took 13.72 / 14.22 ms vs 13.67: it is not waiting on DRAM. Whole backward: 64k
+# 32.6-33.4 vs 32.5-32.6 ms (d_k 192 40.9-42.1 vs 41.0-41.1), 16k 8.1 vs 8.8-9.0, 8k the same; more
+# segments (their fp32 partials: 0.4-1.9 GiB more peak memory at 64k)
 SEGMENT = 1024
 
 

@@ -25,12 +25,14 @@ from kernels.common import cu_or_one
 
 
 def window_attention_fwd(q, k, v, window: int, cu_seqlens=None, *, scale=None, max_seqlen: int | None = None,
-                         out=None, lse=None):
+                         out=None, lse=None, mix=None, keep_o: bool = True):
     """Forward launcher: (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given (e.g.
-    NaN-poisoned buffers in tests); every row of both is written."""
+    NaN-poisoned buffers in tests); every row of both is written. ``mix`` = (g [T, H, 3], o_cmp,
+    o_sel): also NSA's gated sum of the three branches in the same launch, returned third (and
+    ``keep_o=False`` leaves o unstored: None); see ``compressed.compressed_attention_fwd``."""
     cu, max_seqlen = _sequences(q, cu_seqlens, max_seqlen)
     return compressed.compressed_attention_fwd(q, k, v, 1, 1, cu, cu, scale=scale, max_seqlen=max_seqlen,
-                                               out=out, lse=lse, window=_check(window))
+                                               out=out, lse=lse, window=_check(window), mix=mix, keep_o=keep_o)
 
 
 def window_attention_bwd(do, q, k, v, o, lse, window: int, cu_seqlens=None, *, scale=None,

@@ -26,9 +26,11 @@ EXPECT = {
     "triton:cmp_bwd": r"^_cmp_(dq|dkdv)_kernel\b",
     "triton:select": r"^_score_topn_kernel\b",
     # the window branch runs the compressed-attention kernels with their WINDOW bound set
-    "triton:win_fwd": r"^_cmp_fwd_kernel\b",
+    "triton:win_fwd": r"^_cmp_fwd(_mix)?_kernel\b",
     "triton:win_bwd": r"^_cmp_(dq|dkdv)_kernel\b",
-    "triton:mix": r"^_mix_(fwd|bwd)_kernel\b",
+    # the layer's one op (kernels/branches.py) runs the mix's forward inside the window kernel
+    "triton:mix": r"^_mix_(fwd|bwd)_kernel\b|^_cmp_fwd_mix_kernel\b",
+    "triton:win_mix": r"^_cmp_fwd_mix_kernel\b",
     # flash-attn's own build: flash::flash_fwd_kernel / flash_fwd_splitkv_kernel / flash_bwd_*;
     # PyTorch's bundled copy is pytorch_flash::..., which must not count as flash-attn
     "flash_attn": r"(?<![A-Za-z0-9_])flash::flash_(fwd|bwd)",
@@ -47,6 +49,7 @@ def family(phase: str, branch: str, backend: str) -> str | None:
         return {"sel_bwd": "triton:sel_bwd", "cmp": "triton:cmp_fwd", "cmp_fwd": "triton:cmp_fwd",
                 "cmp_bwd": "triton:cmp_bwd", "select": "triton:select",
                 "win": "triton:win_fwd", "win_fwd": "triton:win_fwd", "win_bwd": "triton:win_bwd",
+                "win_fwd+mix": "triton:win_mix",
                 "mix": "triton:mix", "mix_fwd": "triton:mix", "mix_bwd": "triton:mix"}.get(branch, "triton:sel_fwd")
     if backend.startswith("fa2:"):
         name = backend.split(":", 1)[1]

@@ -518,6 +518,49 @@ def test_win_deterministic(dt, record):
         assert same, f"{name} differs between reruns"
 
 
+@pytest.mark.parametrize("keep", [pytest.param(True, id="training"), pytest.param(False, id="inference")])
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_win_mix_fwd(dt, keep, record):
+    """The window forward that also writes NSA's gated sum g₀·o_cmp + g₁·o_sel + g₂·o_win (the
+    layer's one op, kernels/branches.py, mixes there instead of a pass of its own) on a packed
+    batch with an empty, a 1-token and off-grid sequences and NaN past every row's end: the sum
+    vs the oracle's (``reference.mix`` over the fp32 window oracle), o_win too where it is kept
+    (training); inference stores no o_win."""
+    dtype = DTYPES[dt]
+    win = _require_win(dtype)
+    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    G, H, lens = cfg.n_kv_heads, cfg.n_heads, sorted(set(CFG.varlen_lens) | {cfg.window + 3})
+    T = sum(lens)
+    q0, k0, v0 = _qkv(T, G, h, dk, dv, dtype, seed=23)
+    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
+    qs, ks, vs = nan(T + 37, H, dk + 8), nan(T + 37, G, dk + 8), nan(T + 37, G, dv + 8)
+    qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv] = q0, k0, v0
+    q, k, v = qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv]
+    gen = torch.Generator(device=DEV).manual_seed(29)
+    g = torch.rand(T, H, 3, device=DEV, generator=gen).to(dtype)
+    o_cmp, o_sel = (torch.randn(T, H, dv, device=DEV, generator=gen).to(dtype) for _ in range(2))
+    out = nan(T, H, dv) if keep else None
+    with record.capture() as log:
+        o_win, lse, mixed = win.window_attention_fwd(q, k, v, cfg.window, cu_seqlens(lens, DEV), out=out,
+                                                     mix=(g, o_cmp, o_sel), keep_o=keep)
+    record.expect_ran(log, "kernel", "win_fwd+mix", "triton")
+    assert (o_win is not None) == keep, "o_win stored in inference, or not stored in training"
+    for name, t in (("mixed", mixed), ("lse", lse), *((("o_win", o_win),) if keep else ())):
+        assert torch.isfinite(t).all(), f"{name}: {int((~torch.isfinite(t)).sum())} non-finite values"
+    mask = lambda rc, pos, N: reference.window_mask(cfg, pos, N)[None, :, None, :]  # noqa: E731
+
+    def oracle(dt_):
+        ow = oracle_attention(q0, k0, v0, lens, lens, mask, dt_)
+        return ow, reference.mix(g.to(dt_), o_cmp.to(dt_), o_sel.to(dt_), ow)
+    (w32, m32), (wlp, mlp) = oracle(torch.float32), (oracle(dtype) if _lp(dtype) else (None, None))
+    record.metrics.update(lens=lens, window=cfg.window)
+    record.check("mixed", mixed, m32, mlp, dtype=dtype)
+    if keep:
+        record.check("o_win", o_win, w32, wlp, dtype=dtype)
+    record.assert_ok()
+
+
 def _select_oracle(q, kc, lens, ncmp, cfg, dtype):
     """Per sequence: (idx [S, G, n], scores [S, G, NB]) of the oracle in ``dtype`` from its
     compressed-branch probabilities (``reference.block_scores`` / ``select_blocks``)."""
@@ -751,10 +794,14 @@ def test_module_fwd_bwd(dt, S, path, record):
         grads = torch.autograd.grad(out, [x, *m.parameters()], dout, allow_unused=True)
     for stage in ("cmp", "sel", "mix", *(("select", "win") if fused else ())):
         record.expect_ran(log, "prefill", stage, "triton")
-    for kernel in ("cmp_bwd", "sel_bwd", *(("win_bwd",) if fused else ("mix_bwd",))):
+    for kernel in ("cmp_bwd", "sel_bwd", *(("win_fwd+mix", "win_bwd") if fused else ("mix_bwd",))):
         record.expect_ran(log, "kernel", kernel, "triton")
     if fused:
+        assert not log.ran("kernel", "mix_fwd", "triton"), "the fused forward ran a mix pass of its own"
         assert not log.ran("kernel", "mix_bwd", "triton"), "the fused backward ran the mix's backward pass"
+        with torch.no_grad(), record.capture() as log:
+            out_inference = m(x)          # no backward to come: the window's own output is not stored
+        record.expect_ran(log, "kernel", "win_fwd+mix", "triton")
 
     def oracle(dt_):
         xs = x.detach().to(dt_).requires_grad_(True)
@@ -766,6 +813,8 @@ def test_module_fwd_bwd(dt, S, path, record):
     o32, g32 = oracle(torch.float32)
     olp, glp = oracle(dtype) if _lp(dtype) else (None, [None] * len(g32))
     record.check("out", out, o32, olp, dtype=dtype)
+    if fused:
+        record.check("out_no_grad", out_inference, o32, olp, dtype=dtype)
     bad = [nm for nm, gr in zip(["x", *names], grads) if gr is not None and not torch.isfinite(gr).all()]
     assert not bad, f"NaN/Inf in gradients of {bad}"
     for nm, got, r32, rlp in zip(["x", *names], grads, g32, glp):
