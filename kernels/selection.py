@@ -348,7 +348,11 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
 # DRAM reads fell from 29.7 to 24.3 / 20.0 GB with spans of 8192 / 4096 (L2 hit rate 32 -> 43 / 52%)
 # but the kernel took 13.72 / 14.22 ms vs 13.67: it is not waiting on DRAM. Whole backward: 64k
 # 32.6-33.4 vs 32.5-32.6 ms (d_k 192 40.9-42.1 vs 41.0-41.1), 16k 8.1 vs 8.8-9.0, 8k the same; more
-# segments (their fp32 partials: 0.4-1.9 GiB more peak memory at 64k)
+# segments (their fp32 partials: 0.4-1.9 GiB more peak memory at 64k). ncu on the dk/dv kernel there
+# (d 128, 64 rows / 4 warps): 255 registers, 154.6 M local-memory spill requests, 2 programs per SM
+# (registers and shared memory each allow 2: 12.5% occupancy), 0.39 eligible warps per scheduler.
+# 32 rows compile with 236 registers and no spill, but the whole backward was no faster, alternating
+# in one process: 32.9-37.4 vs 32.8-33.5 ms at 64k, 8.2-8.6 vs 8.2-8.7 at 16k, 4.34-4.38 vs 4.29-4.47 at 8k
 SEGMENT = 1024
 
 
