@@ -460,7 +460,8 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 REDUCE_ROWS = 32
 
 
-def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, window: bool = False) -> list[dict]:
+def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, window: bool = False,
+                   mix: bool = False) -> list[dict]:
     """Tile sizes and warps per kernel ("fwd", "dq", "dkdv"): BT query tokens (× h heads = ``rows``
     of one dot), BC compressed tokens per inner step, NSPLIT query runs per dk/dv chunk; ``tma``:
     tiles loaded through tensor descriptors (dropped where they are not usable). The measured
@@ -501,7 +502,12 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     d_k=192: forward 128 rows / 8 warps 12.6 (4 warps 13.4-14.3), dq 64 rows / 4 warps 45.2-47.6.
     Later, the window forward at d_k=192 (descriptors, 2 stages): 64 rows / BC 32 / 4 warps 4.11 ms
     vs 4.70 at 128 rows / BC 64 / 8 warps (128 rows / BC 32 / 4 warps 4.20, 3 stages 4.18; BC 128
-    6.8-14.5); at d=128 the best tried, 64 rows / BC 64 / 3 stages, 3.41 ms vs 3.48 (kept)."""
+    6.8-14.5); at d=128 the best tried, 64 rows / BC 64 / 3 stages, 3.41 ms vs 3.48 (kept). The
+    window forward that also writes the gated mix (``mix``; timed without storing o_win) at d=128:
+    64 rows / BC 64 / 4 warps / 2 stages 0.489 / 0.983 / 3.904 ms at 8k / 16k / 64k vs 0.530 / 1.042
+    / 4.152 with 128 rows (3
+    stages 0.475 / 0.976 / 4.171; 64 rows / BC 32 3.892 at 64k; 128 rows / BC 32 4.202; 256 rows /
+    8 warps 4.542). Block scoring, the compressed forward: no setting faster at 8k and 16k either."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -510,6 +516,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         split = {}
         if itemsize == 2 and wide and window:
             tma = [{"BT": bt(64), "BC": 32, "num_warps": 4, "num_stages": 2}]
+        elif itemsize == 2 and window and mix:
+            tma = [{"BT": bt(64), "BC": 64, "num_warps": 4, "num_stages": 2}]
         elif itemsize == 2:
             tma = [{"BT": bt(256 if wide else 128), "BC": 64, "num_warps": 8 if wide else 4, "num_stages": 2}]
         measured = [{"BT": bt(256), "BC": 64, "num_warps": 8, "num_stages": 2},
@@ -630,7 +638,8 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
                     KEEP_O=keep_o, **common, **lc)
         launch_fitting(f"{name}_fwd" + ("+mix" if mix is not None else ""), (q.device, q.dtype, h, dk, dv, with_o, tma,
                                                                             mix is not None, keep_o),
-                       usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0), tma),
+                       usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0,
+                                             mix is not None), tma),
                        launch)
         dispatch.note("kernel", f"{name}_fwd", "triton")
         if mix is not None:
