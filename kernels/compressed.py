@@ -41,6 +41,7 @@ import triton.language as tl
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dkdv_update,
                             dot_dk, dq_update, gate_args, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk,
                             pow2, precision, sm_count, store_2d, store_dk, usable)
+from kernels.mix import gated_sum
 from nsa_core import dispatch
 
 
@@ -225,13 +226,7 @@ def _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
                 o = o.to(O.dtype.element_ty).to(tl.float32)        # this branch's output as stored
                 if KEEP_O:
                     store_2d(O, base, o, ok, DV, BDV)
-                gb = t * sgt + head * sgh
-                mixed = (tl.load(GATE + gb, mask=ok, other=0.0).to(tl.float32)[:, None]
-                         * load_2d(OC, base, ok, DV, BDV).to(tl.float32)
-                         + tl.load(GATE + gb + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
-                         * load_2d(OS, base, ok, DV, BDV).to(tl.float32)
-                         + tl.load(GATE + gb + 2, mask=ok, other=0.0).to(tl.float32)[:, None] * o)
-                store_2d(OM, base, mixed, ok, DV, BDV)
+                store_2d(OM, base, gated_sum(GATE, t * sgt + head * sgh, OC, OS, o, base, ok, DV, BDV), ok, DV, BDV)
             else:
                 store_2d(O, base, o, ok, DV, BDV)
 
@@ -505,9 +500,9 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     6.8-14.5); at d=128 the best tried, 64 rows / BC 64 / 3 stages, 3.41 ms vs 3.48 (kept). The
     window forward that also writes the gated mix (``mix``; timed without storing o_win) at d=128:
     64 rows / BC 64 / 4 warps / 2 stages 0.489 / 0.983 / 3.904 ms at 8k / 16k / 64k vs 0.530 / 1.042
-    / 4.152 with 128 rows (3
-    stages 0.475 / 0.976 / 4.171; 64 rows / BC 32 3.892 at 64k; 128 rows / BC 32 4.202; 256 rows /
-    8 warps 4.542). Block scoring, the compressed forward: no setting faster at 8k and 16k either."""
+    / 4.152 with 128 rows (3 stages 0.475 / 0.976 / 4.171; 64 rows / BC 32 3.892 at 64k; 128 rows /
+    BC 32 4.202; 256 rows / 8 warps 4.542). Block scoring, the compressed forward: no setting faster
+    at 8k and 16k either."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -636,8 +631,8 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
                     q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
                     H * dv, dv, lse.stride(0), lse.stride(1), 3 * H, 3, scale * LOG2E,
                     KEEP_O=keep_o, **common, **lc)
-        launch_fitting(f"{name}_fwd" + ("+mix" if mix is not None else ""), (q.device, q.dtype, h, dk, dv, with_o, tma,
-                                                                            mix is not None, keep_o),
+        launch_fitting(f"{name}_fwd" + ("+mix" if mix is not None else ""),
+                       (q.device, q.dtype, h, dk, dv, with_o, tma, keep_o),
                        usable(launch_configs("fwd", h, BDK, BDV if with_o else 16, q.element_size(), window > 0,
                                              mix is not None), tma),
                        launch)

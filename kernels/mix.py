@@ -36,12 +36,20 @@ def _gates(G, r, ok, sg):
 
 
 @triton.jit
+def gated_sum(G, gbase, OC, OS, ow, base, ok, DV: tl.constexpr, BDV: tl.constexpr):
+    """g₀·OC + g₁·OS + g₂·ow in fp32 [rows, BDV]: the gate's three values at G + gbase (+1, +2),
+    the rows of OC and OS at ``base``, ow the third output's rows (fp32). The window kernel's
+    epilogue (``kernels.compressed``, with the mix) computes the sum with it too."""
+    g0, g1, g2 = _gates(G, gbase, ok, 1)
+    return (g0[:, None] * _rows(OC, base, ok, 1, DV, BDV) + g1[:, None] * _rows(OS, base, ok, 1, DV, BDV)
+            + g2[:, None] * ow)
+
+
+@triton.jit
 def _mix_fwd_kernel(G, OC, OS, OW, O, R, sg, so, DV: tl.constexpr, BR: tl.constexpr, BDV: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ok = r < R
-    g0, g1, g2 = _gates(G, r, ok, sg)
-    o = (g0[:, None] * _rows(OC, r, ok, so, DV, BDV) + g1[:, None] * _rows(OS, r, ok, so, DV, BDV)
-         + g2[:, None] * _rows(OW, r, ok, so, DV, BDV))
+    o = gated_sum(G, r * sg, OC, OS, _rows(OW, r, ok, so, DV, BDV), r * so, ok, DV, BDV)
     store_2d(O, r * so, o, ok, DV, BDV)
 
 

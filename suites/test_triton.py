@@ -466,6 +466,21 @@ def test_win_fwd_bwd(dt, h, dk, dv, S, w, record):
     _check_win(record, cfg, dtype, q, k, v, [S], o, do, grads)
 
 
+def _win_poisoned_batch(dtype, seed: int):
+    """A packed batch with an empty, a 1-token and off-grid sequences (one longer than the window):
+    (cfg, lens, the clean (q, k, v), views of them into NaN-filled storage (NaN past the last token
+    and past d_k/d_v in every row), nan(*shape): a NaN tensor in ``dtype``)."""
+    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
+    cfg = _cmp_cfg(h, dk, dv)
+    G, H, lens = cfg.n_kv_heads, cfg.n_heads, sorted(set(CFG.varlen_lens) | {cfg.window + 3})
+    T = sum(lens)
+    clean = _qkv(T, G, h, dk, dv, dtype, seed=seed)
+    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
+    qs, ks, vs = nan(T + 37, H, dk + 8), nan(T + 37, G, dk + 8), nan(T + 37, G, dv + 8)
+    qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv] = clean
+    return cfg, lens, clean, (qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv]), nan
+
+
 @pytest.mark.parametrize("dt", CFG.dtypes)
 def test_win_varlen_nan_poisoned(dt, record):
     """A packed batch with an empty, a 1-token and off-grid sequences; inputs are views into
@@ -473,15 +488,8 @@ def test_win_varlen_nan_poisoned(dt, record):
     output buffers start as NaN: the kernels read only what they own and write every row."""
     dtype = DTYPES[dt]
     win = _require_win(dtype)
-    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
-    cfg = _cmp_cfg(h, dk, dv)
-    G, H, lens = cfg.n_kv_heads, cfg.n_heads, sorted(set(CFG.varlen_lens) | {cfg.window + 3})
-    T = sum(lens)
-    q0, k0, v0 = _qkv(T, G, h, dk, dv, dtype, seed=17)
-    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
-    qs, ks, vs = nan(T + 37, H, dk + 8), nan(T + 37, G, dk + 8), nan(T + 37, G, dv + 8)
-    qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv] = q0, k0, v0
-    q, k, v = qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv]
+    cfg, lens, (q0, k0, v0), (q, k, v), nan = _win_poisoned_batch(dtype, seed=17)
+    T, H, dv = q.shape[0], cfg.n_heads, cfg.d_v
     do = torch.randn(T, H, dv, device=DEV).to(dtype)
     out, lse = nan(T, H, dv), torch.full((T, H), float("nan"), device=DEV)
     cu = cu_seqlens(lens, DEV)
@@ -528,15 +536,8 @@ def test_win_mix_fwd(dt, keep, record):
     (training); inference stores no o_win."""
     dtype = DTYPES[dt]
     win = _require_win(dtype)
-    h, (dk, dv) = CFG.heads_per_group[-1], CFG.head_dims[-1]
-    cfg = _cmp_cfg(h, dk, dv)
-    G, H, lens = cfg.n_kv_heads, cfg.n_heads, sorted(set(CFG.varlen_lens) | {cfg.window + 3})
-    T = sum(lens)
-    q0, k0, v0 = _qkv(T, G, h, dk, dv, dtype, seed=23)
-    nan = lambda *s: torch.full(s, float("nan"), device=DEV, dtype=dtype)  # noqa: E731
-    qs, ks, vs = nan(T + 37, H, dk + 8), nan(T + 37, G, dk + 8), nan(T + 37, G, dv + 8)
-    qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv] = q0, k0, v0
-    q, k, v = qs[:T, :, :dk], ks[:T, :, :dk], vs[:T, :, :dv]
+    cfg, lens, (q0, k0, v0), (q, k, v), nan = _win_poisoned_batch(dtype, seed=23)
+    T, H, dv = q.shape[0], cfg.n_heads, cfg.d_v
     gen = torch.Generator(device=DEV).manual_seed(29)
     g = torch.rand(T, H, 3, device=DEV, generator=gen).to(dtype)
     o_cmp, o_sel = (torch.randn(T, H, dv, device=DEV, generator=gen).to(dtype) for _ in range(2))
