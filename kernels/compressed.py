@@ -502,7 +502,11 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     64 rows / BC 64 / 4 warps / 2 stages 0.489 / 0.983 / 3.904 ms at 8k / 16k / 64k vs 0.530 / 1.042
     / 4.152 with 128 rows (3 stages 0.475 / 0.976 / 4.171; 64 rows / BC 32 3.892 at 64k; 128 rows /
     BC 32 4.202; 256 rows / 8 warps 4.542). Block scoring, the compressed forward: no setting faster
-    at 8k and 16k either."""
+    at 8k and 16k either. A persistent window forward (a grid of 1-4 programs per SM walking the
+    tiles, every chunk masked so that the tile loop and the chunk loop form one nest, flattened with
+    ``tl.range(flatten=True)`` or not) was slower at every setting tried: 64 rows / 2 per SM 0.52 /
+    4.38-4.43 ms (3 stages 0.49 / 4.16-4.24; 128 rows / 8 warps 0.58 / 4.65) vs 0.45 / 3.57-3.63 at
+    8k / 64k, without the mix; flattened or not, the same."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)

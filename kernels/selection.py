@@ -268,6 +268,11 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # forward program of two consecutive tokens loading a block both selected once (the second
     # token's load masked off; its scores and p·v then two products each): 23.1-29.5 ms with 2-4
     # warps and 2 stages vs 16.8 at 64k, d 128 (8k 2.9-3.5 vs 1.9; d_k 192 27.4-57.3 vs 21.9).
+    # What sharing the forced blocks (0 and the two local ones, 19% of the slots) between neighbours
+    # could save at most: with those slots masked off (loads skipped, products kept) the forward took
+    # 1.87-1.88 vs 1.94-1.96 ms at 8k, 15.5-15.6 vs 16.9-17.0 at 64k; the backward 4.01-4.02 vs
+    # 4.29-4.34 and 30.0-30.1 vs 33.8-33.9 (d 128). Every slot through descriptor tiles, masked
+    # after loading: 8k 2.47 / 3.87 ms with 2 / 1 warps vs 1.95, 64k 20.1 / 31.1 vs 16.9.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
