@@ -199,7 +199,14 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     3 stages 8.2 ms vs 8.8 with pointer loads (2 stages 10.2; BT 128 / 8 warps 13.3); d_k=192 BT 64
     / 4 warps / 2 stages 13.9 ms vs 15.6 (BT 128 / 8 warps 16.8). With d_k=192 loaded as two
     power-of-two parts (128 + 64, two descriptors each for q and the keys) 3 stages fit: 11.1 ms
-    vs 13.9 padded (2 stages 13.1; BT 128 / 8 warps 17.6; BT 64 / 8 warps 25.5); the same blocks."""
+    vs 13.9 padded (2 stages 13.1; BT 128 / 8 warps 17.6; BT 64 / 8 warps 25.5); the same blocks.
+
+    What the running top list costs (H100, d_k 128, descriptors): the same chunk loop storing each
+    chunk's block scores [T, G, NB] instead took 7.72-7.84 ms at 64k vs 7.38-7.91 for this kernel
+    (that loop with 8 warps 9.97; BT 128 / 8 warps 11.3; BB 16 11.6; BB 64 17.4), and 0.204 vs 0.297
+    ms at 8k: a separate top-n could only pay off at short lengths, and only after its own pass. At 64k
+    the time is the scores themselves: ncu there, 255 registers and 83 KB of shared memory per
+    program (2 per SM, 12.5% occupancy), issue slots 35% busy, tensor pipe 34%, MUFU (exp2) 33%."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
