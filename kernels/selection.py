@@ -271,8 +271,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # What sharing the forced blocks (0 and the two local ones, 19% of the slots) between neighbours
     # could save at most: with those slots masked off (loads skipped, products kept) the forward took
     # 1.87-1.88 vs 1.94-1.96 ms at 8k, 15.5-15.6 vs 16.9-17.0 at 64k; the backward 4.01-4.02 vs
-    # 4.29-4.34 and 30.0-30.1 vs 33.8-33.9 (d 128). Every slot through descriptor tiles, masked
-    # after loading: 8k 2.47 / 3.87 ms with 2 / 1 warps vs 1.95, 64k 20.1 / 31.1 vs 16.9.
+    # 4.29-4.34 and 30.0-30.1 vs 33.8-33.9 (d 128). A forward program of 2 or 4 consecutive tokens
+    # that loads those three blocks once for all of them, then each token's other 13: 16.93-17.01 vs
+    # 17.04-17.07 ms at 64k and 2.02 vs 1.94 at 8k with 2 tokens / 2 warps; 4 warps 21.8-22.4 ms at
+    # 64k (4 tokens; 8 warps 37.6).
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
