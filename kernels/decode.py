@@ -65,7 +65,10 @@ from nsa_core.config import BRANCHES, NSAConfig
 # 3 stages 82.2 us, with the loop warp-specialized 73.6 us (3 stages 82.1; 8 warps 90.5); 1 or 2
 # warps with tiles of 16 / 32 / 64 tokens and 2-4 stages, step 129.2-223.6 vs 128.3-130.3 us. ncu
 # on the TMA variant (B=16): 2 programs of 4 warps per SM (220 registers, 88 KB of shared memory
-# each), 61% of DRAM peak, no eligible warp 74% of cycles
+# each), 61% of DRAM peak, no eligible warp 74% of cycles. ncu on this code's eager step there: the
+# compressed partial 67.8 us for 168 MB (DRAM 76.7% of peak; 198 registers, 88 KB of shared memory, 2
+# programs per SM; long-scoreboard stalls 43%), the window + selection partial 30.2 us for 58 MB (59.8%;
+# 192 programs of up to 8 tiles, 9.1% achieved occupancy)
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
 # rows with them), and which branches' cache tokens each launch reads
