@@ -55,7 +55,7 @@ from nsa_core.config import BRANCHES, NSAConfig
 # (3 stages hold one program per SM: 0.137-0.160); compressed tiles of 64 tokens (32: 0.137-0.165,
 # 16: 0.156-0.197 at B=16; later, 32 with 3 or 4 stages in the compressed launch alone, the same shared
 # memory with more tiles in flight: 114.1-114.8 / 121.7-124.1 us vs 107.1-109.8 at B=16, 28.0 vs 23.1 at
-# B=1, 186.2-186.8 / 202.8-206.8 vs 175.8-182.6 at B=16, 128k, back-to-back replays); merge programs of
+# B=1, 186.2-186.8 / 202.8-206.8 vs 175.8-182.6 at B=16, 128k; replays back to back, L2 not flushed); merge programs of
 # 8 d_v columns (B=1: 0.0402 vs 0.0434 with 32) below B·G = 16, 16 from there (``_launch_shape``). Top-n
 # programs of 8 warps (4: the same; 2: B=1 36.0-36.2 vs 34.4-34.9 us; 1: 50.4-50.6 us at B=1, 145.4-145.7
 # at B=16).
