@@ -206,7 +206,10 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     (that loop with 8 warps 9.97; BT 128 / 8 warps 11.3; BB 16 11.6; BB 64 17.4), and 0.204 vs 0.297
     ms at 8k: a separate top-n could only pay off at short lengths, and only after its own pass. At 64k
     the time is the scores themselves: ncu there, 255 registers and 83 KB of shared memory per
-    program (2 per SM, 12.5% occupancy), issue slots 35% busy, tensor pipe 34%, MUFU (exp2) 33%."""
+    program (2 per SM, 12.5% occupancy), issue slots 35% busy, tensor pipe 34%, MUFU (exp2) 33%.
+    Registers capped (``maxnreg``) for a third program per SM spill and were slower: 2 stages with
+    200 / 168 / 128 registers 11.98-12.00 / 14.32-14.61 / 20.99-21.02 ms at 64k vs 7.50-7.94 (2
+    stages uncapped 8.38-8.77; 3 stages with 168, 15.06-15.37); at 8k 0.39 / 0.44 / 0.65 vs 0.30."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
