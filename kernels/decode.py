@@ -26,7 +26,8 @@ graph (the position is a device tensor; no shape depends on it):
 
 On Hopper and later the step's kernels (a separate cache append included) are launched as programmatic
 dependent launches: each is set up while the one before it runs and waits, first thing, until
-that one has finished and its writes are visible (``_grid_dependency``), which takes the launch
+that one has finished and its writes are visible (``_grid_dependency``; the merge reads the
+compressed partials, written three launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed).
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
@@ -97,6 +98,19 @@ PDL = True
 # 116.7-117.9 us, 128k 184.9-185.5 (top-n) vs 186.2-186.5, B·G 32 74.3-74.4 vs 75.4-75.6; in all four,
 # 123.6 us at B·G 64
 EARLY_TRIGGER_ROWS = 16
+# the merge's loads of the compressed partials moved ahead of its wait (``_grid_dependency``): under
+# the early trigger they overlap the window + selection launch. H100, paper config, graph-replayed step,
+# two rounds, harness flush / read-only flush (``timing``), us: 64k B=1 31.0-31.3 / 29.0-29.5 vs
+# 31.4-31.9 / 29.8-30.6; 128k B=1 40.4 / 36.6 vs 40.6-40.8 / 37.4; B=4, 16, 32 unchanged (all
+# outputs bit-identical). Not taken, same runs: the window programs of the window + selection launch
+# starting without a wait (they read only what the compressed launch, three back, wrote): B=1 64k
+# 31.5 / 30.2-30.4, B=4 52.0-52.4 / 49.8 vs 51.6 / 48.4-48.5; the early trigger at every B (with
+# both): B=16 64k 122.0-122.7 vs 117.9-118.2, 128k 193.0-193.2 vs 186.7-187.0. And the step over
+# batch halves (or quarters) as parallel streams of one graph, so that one half's scoring, top-n and
+# merge run beside the other's partials: B=16 64k 115.7-116.5 vs 116.6-118.4 us, 128k 178.9 vs
+# 185.5-186.8, B=32 207.3-208.0 vs 208.7-209.9, but B=8 80.1 vs 75.3 and B=4 60.6 vs 51.4; a half
+# whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1
+CMP_EARLY = True
 
 
 @triton.jit
@@ -104,8 +118,12 @@ def _grid_dependency(GDC: tl.constexpr):
     """Programmatic dependent launch (Hopper; ``PDL``): with GDC >= 1 the kernel was launched
     before the previous one finished and waits here until it has (and its writes are visible),
     so nothing it reads can be stale; with GDC = 2 it also lets the next kernel of the step be
-    launched now (its programs then wait in turn). Every kernel of a step waits first, so the
-    order is that of plain stream launches."""
+    launched now (its programs then wait in turn). Every kernel of a step waits before it reads
+    what the launch before it wrote, so the order is that of plain stream launches.
+
+    What a launch reads of launches further back may be read before the wait: launch N+1 starts
+    only once every program of launch N has passed its own wait (early trigger) or finished, so
+    launch N−1 has finished and its writes are visible (``CMP_EARLY``)."""
     if GDC >= 1:
         tl.extra.cuda.gdc_wait()
     if GDC >= 2:
@@ -401,8 +419,7 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
                   C_WIN: tl.constexpr, NC: tl.constexpr, CP_CMP: tl.constexpr, CP_WIN: tl.constexpr,
                   CP_SEL: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr,
-                  GDC: tl.constexpr = 0):
-    _grid_dependency(GDC)
+                  GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
     b = bg // G
@@ -421,8 +438,15 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     # then their accumulators 4-32 chunks at a time, instead of all 256 at once at B=1: 6.5 vs 6.0 µs;
     # graph-replayed step 64k B=1 23.0-25.4 vs 23.2 µs, B=16 110.7-111.6 vs 109.6.)
     row, head_ok = b * H + head, rows < H_PER_G
-    if DO_CMP:
+    if CMP_EARLY:
+        # the compressed partials come from a launch at least two back (CMP_EARLY only then): read
+        # before the wait (``_grid_dependency``), so that under the early trigger (small B) these, the
+        # most of the merge's loads, overlap the window + selection launch
         m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
+    _grid_dependency(GDC)
+    if DO_CMP:
+        if not CMP_EARLY:
+            m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
     if DO_SEL:
         m_s, l_s, a_s, n_s = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH,
@@ -656,7 +680,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
-                         HAS_GATE=gate is not None, num_warps=MERGE_WARPS, **pdl)
+                         HAS_GATE=gate is not None, num_warps=MERGE_WARPS,
+                         CMP_EARLY=CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"}), **pdl)
     for br in branches:
         dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}
