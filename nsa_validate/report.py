@@ -138,11 +138,18 @@ def render(res: dict, embed_plots: bool = False) -> str:
     rt = res.get("routing") or {}
     if rt:
         out += ["## What executed", "", f"Evidence: {rt.get('evidence', 'the dispatch log only')}.", ""]
-        rows = [{"path": k, "backends (dispatch log)": "/".join(v),
-                 "CUDA kernels the GPU ran": "<br>".join((rt.get("observed_kernels") or {}).get(k, [])) or "-"}
+        seen = rt.get("observed_kernels") or {}
+        per_backend = rt.get("observed_kernels_by_backend") or {}
+
+        def ran(path: str) -> str:
+            """The path's kernels, under the backend whose cases ran them where that is known."""
+            if path in per_backend:
+                return "<br>".join(f"**{who}**: " + ", ".join(names) for who, names in per_backend[path].items())
+            return "<br>".join(seen.get(path, [])) or "-"
+        rows = [{"path": k, "backends (dispatch log)": "/".join(v), "CUDA kernels the GPU ran": ran(k)}
                 for k, v in (rt.get("executed") or {}).items()]
-        rows += [{"path": k, "backends (dispatch log)": "-", "CUDA kernels the GPU ran": "<br>".join(v)}
-                 for k, v in (rt.get("observed_kernels") or {}).items() if k not in (rt.get("executed") or {})]
+        rows += [{"path": k, "backends (dispatch log)": "-", "CUDA kernels the GPU ran": ran(k)}
+                 for k in seen if k not in (rt.get("executed") or {})]
         out += [md_table(rows), ""] if rows else []
 
     if res.get("comparison"):

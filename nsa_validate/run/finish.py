@@ -17,10 +17,13 @@ from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headli
 def routing_record(prof: profiles.Profile, results: dict[str, SuiteResult]) -> dict:
     """routing.json: the policy, the decisions the suites' cases saw it make (per routed path: the
     backend, why, and the length, dtype and device it was asked for), what executed (dispatch log)
-    and the CUDA kernels the GPU ran (torch.profiler)."""
+    and the CUDA kernels the GPU ran (torch.profiler), also per backend: a case whose dispatch log
+    shows one backend on a path ran that backend's kernels there (a case that ran several on one
+    path files its kernels under all of them, joined by "/")."""
     decisions: dict[str, set] = {}
     executed: dict[str, set] = {}
     kernels: dict[str, set] = {}
+    by_backend: dict[str, dict[str, set]] = {}
     for s in results.values():
         for c in s.cases:
             for k, ds in c.routes.items():
@@ -29,12 +32,16 @@ def routing_record(prof: profiles.Profile, results: dict[str, SuiteResult]) -> d
                 executed.setdefault(k, set()).update(bes)
             for k, names in c.kernels.items():
                 kernels.setdefault(k, set()).update(names)
+                who = "/".join(sorted(c.backends.get(k, []))) or "no backend logged"
+                by_backend.setdefault(k, {}).setdefault(who, set()).update(names)
     return {"policy": prof.routing.to_dict(),
             "decisions": {k: sorted(v) for k, v in sorted(decisions.items())},
             "executed": {k: sorted(v) for k, v in sorted(executed.items())},
             # the CUDA kernels the GPU ran, per path (profiler); empty on a CPU, where the dispatch
             # log ("executed") is the only evidence
             "observed_kernels": {k: sorted(v) for k, v in sorted(kernels.items())},
+            "observed_kernels_by_backend": {k: {who: sorted(n) for who, n in sorted(v.items())}
+                                            for k, v in sorted(by_backend.items())},
             "evidence": "GPU kernel names (torch.profiler) and the dispatch log" if kernels
             else "the dispatch log only (no CUDA kernels observed: no GPU)"}
 

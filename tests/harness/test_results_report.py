@@ -66,6 +66,23 @@ def test_report_renders_from_results_only(tmp_path):
     assert "prefill/sel=torch" in md and "abc (dirty)" in md
 
 
+def test_routing_files_each_kernel_under_the_backend_that_ran_it(tmp_path):
+    from nsa_validate import profiles
+    from nsa_validate.run.finish import routing_record
+    cases = [CaseRecord("a", "decode", "pass", backends={"decode/cmp": ["triton"]},
+                        kernels={"decode/cmp": ["_partial_kernel"]}),
+             CaseRecord("b", "decode", "pass", backends={"decode/cmp": ["torch"]},
+                        kernels={"decode/cmp": ["elementwise_kernel"]})]
+    rt = routing_record(profiles.load("cpu"), {"decode": SuiteResult("decode", "pass", 1.0, cases)})
+    assert rt["observed_kernels"]["decode/cmp"] == ["_partial_kernel", "elementwise_kernel"]
+    assert rt["observed_kernels_by_backend"]["decode/cmp"] == {"torch": ["elementwise_kernel"],
+                                                               "triton": ["_partial_kernel"]}
+    res = _results(tmp_path)
+    res["routing"] = rt
+    row = next(r for r in report.render(res).splitlines() if r.startswith("| decode/cmp"))
+    assert "**torch**: elementwise_kernel<br>**triton**: _partial_kernel" in row
+
+
 def test_first_screen_and_summary_text(tmp_path):
     res = _results(tmp_path)
     md = report.render(res)
