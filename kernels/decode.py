@@ -438,16 +438,16 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     # then their accumulators 4-32 chunks at a time, instead of all 256 at once at B=1: 6.5 vs 6.0 µs;
     # graph-replayed step 64k B=1 23.0-25.4 vs 23.2 µs, B=16 110.7-111.6 vs 109.6.)
     row, head_ok = b * H + head, rows < H_PER_G
-    if CMP_EARLY:
-        # the compressed partials come from a launch at least two back (CMP_EARLY only then): read
-        # before the wait (``_grid_dependency``), so that under the early trigger (small B) these, the
-        # most of the merge's loads, overlap the window + selection launch
-        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
-    _grid_dependency(GDC)
+    # CMP_EARLY (only where the compressed launch is at least two back, the gate from before the step):
+    # the compressed partials are read before the wait (``_grid_dependency``), so that under the early
+    # trigger (small B) these, the most of the merge's loads, overlap the window + selection launch
+    if not CMP_EARLY:
+        _grid_dependency(GDC)
     if DO_CMP:
-        if not CMP_EARLY:
-            m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
+        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
+    if CMP_EARLY:
+        _grid_dependency(GDC)
     if DO_SEL:
         m_s, l_s, a_s, n_s = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH,
                                          BDV)
