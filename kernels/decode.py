@@ -27,7 +27,7 @@ graph (the position is a device tensor; no shape depends on it):
 On Hopper and later the step's kernels (a separate cache append included) are launched as programmatic
 dependent launches: each is set up while the one before it runs and waits, first thing, until
 that one has finished and its writes are visible (``_grid_dependency``; the merge reads the
-compressed partials, written three launches back, before it waits: ``CMP_EARLY``), which takes the launch
+compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed).
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is

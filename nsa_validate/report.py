@@ -138,7 +138,7 @@ def render(res: dict, embed_plots: bool = False) -> str:
     rt = res.get("routing") or {}
     if rt:
         out += ["## What executed", "", f"Evidence: {rt.get('evidence', 'the dispatch log only')}.", ""]
-        seen = rt.get("observed_kernels") or {}
+        seen, executed = rt.get("observed_kernels") or {}, rt.get("executed") or {}
         per_backend = rt.get("observed_kernels_by_backend") or {}
 
         def ran(path: str) -> str:
@@ -147,9 +147,9 @@ def render(res: dict, embed_plots: bool = False) -> str:
                 return "<br>".join(f"**{who}**: " + ", ".join(names) for who, names in per_backend[path].items())
             return "<br>".join(seen.get(path, [])) or "-"
         rows = [{"path": k, "backends (dispatch log)": "/".join(v), "CUDA kernels the GPU ran": ran(k)}
-                for k, v in (rt.get("executed") or {}).items()]
+                for k, v in executed.items()]
         rows += [{"path": k, "backends (dispatch log)": "-", "CUDA kernels the GPU ran": ran(k)}
-                 for k in seen if k not in (rt.get("executed") or {})]
+                 for k in seen if k not in executed]
         out += [md_table(rows), ""] if rows else []
 
     if res.get("comparison"):

@@ -22,7 +22,6 @@ def routing_record(prof: profiles.Profile, results: dict[str, SuiteResult]) -> d
     path files its kernels under all of them, joined by "/")."""
     decisions: dict[str, set] = {}
     executed: dict[str, set] = {}
-    kernels: dict[str, set] = {}
     by_backend: dict[str, dict[str, set]] = {}
     for s in results.values():
         for c in s.cases:
@@ -31,9 +30,9 @@ def routing_record(prof: profiles.Profile, results: dict[str, SuiteResult]) -> d
             for k, bes in c.backends.items():
                 executed.setdefault(k, set()).update(bes)
             for k, names in c.kernels.items():
-                kernels.setdefault(k, set()).update(names)
                 who = "/".join(sorted(c.backends.get(k, []))) or "no backend logged"
                 by_backend.setdefault(k, {}).setdefault(who, set()).update(names)
+    kernels = {k: set().union(*v.values()) for k, v in by_backend.items()}
     return {"policy": prof.routing.to_dict(),
             "decisions": {k: sorted(v) for k, v in sorted(decisions.items())},
             "executed": {k: sorted(v) for k, v in sorted(executed.items())},
