@@ -111,6 +111,21 @@ EARLY_TRIGGER_ROWS = 16
 # 185.5-186.8, B=32 207.3-208.0 vs 208.7-209.9, but B=8 80.1 vs 75.3 and B=4 60.6 vs 51.4; a half
 # whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1
 CMP_EARLY = True
+# Measured and not taken: the whole step as ONE persistent launch (2 programs per SM, all resident, taking the
+# step's items in an order where every item depends only on earlier ones: per (row · KV head) its compressed
+# chunks (the first appending the token), window chunks, scoring slices, top-n, selection chunks, merge slices; an
+# item waits on per-row stage counters, written with release atomics and polled with acquire atomics or ld.acquire
+# + nanosleep, the same; outputs bit-identical to these launches). H100, paper config, graph-replayed, read flush,
+# us: 64k B=1 41.8 (items every P-th), 32.2-32.9 with the compressed and window chunks merged by items of their
+# own as soon as they finish (items taken next from a counter: the same), 33.5 / 38.0 with the rows in 2 / 4
+# software-pipelined groups, vs 28.6-31.4; 64k B=16 130.5, from a counter 124.7 (selection chunks of 8 tiles; 4
+# tiles 121.8-123.6, 2 tiles 125.2; groups 2 / 4 / 8: 135.1 / 168.5-177.6 / 170.6) vs 110.1-111.2; B=4 and 128k
+# B=16 (items every P-th, no merge items) 59.3 vs 48.3 and 205.4 vs 179.0. Its item timeline (globaltimer) shows
+# why: at B=1 the chain is as long as the launches' (compressed chunks of one tile end at 8.4, scoring 11.7, top-n
+# 17.5 (5.4 of work), selection 22.4 (one tile: 3.9), merge 25.4), with ~7 us outside the items (a 255-register
+# kernel); at B=16 a program's bandwidth is latency-bound, so every program that waits on a counter is bandwidth
+# lost: selection chunks of 2 tiles took 14.4 us, of 8 tiles 20.6, and grouping the rows left most programs
+# waiting while few read.
 
 
 @triton.jit
