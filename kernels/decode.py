@@ -80,14 +80,10 @@ LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
-# tokens per window / selection tile from B·G = WS_TILE_ROWS on (a selection block below, or where WS_TILE does
-# not divide it). H100, paper config, graph-replayed step, read flush, us, a block (64) vs 32 per tile: 64k B=16
-# 113.5-114.6 vs 110.7-112.4, B=4 50.2-50.3 vs 48.9-49.0, B=32 210.2-211.0 vs 204.2-205.2, 128k B=16
-# 182.3-183.1 vs 180.4-181.2, but B=1 29.2 vs 30.5. Deeper pipelining of the smaller tiles gained nothing
-# (32 tokens with 3 / 4 stages, 16 with 4 / 6: 111.8-112.5 at B=16, 64k; 30.3-32.8 at B=1), nor did 3 stages
-# of whole blocks (114.4-114.5, one program per SM)
-WS_TILE = 32
-WS_TILE_ROWS = 16
+# (Window + selection tiles of 32 tokens, half a selection block, from B·G = 16 on, measured slower: H100,
+# `suite decode -k test_bench`, two rounds each on one machine, B=16 64k 118.3-118.4 vs 110.8-111.1 us. With 3
+# stages for the window + selection launch, graph-replayed in a script, tiles of 32 / 16 tokens took 110.7-112.5 /
+# 111.8-112.3 us and whole blocks 113.5-114.6: none beat 2 stages.)
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
@@ -191,8 +187,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0,
-                    TPB: tl.constexpr = 1):
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0):
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
@@ -261,13 +256,11 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
         # on a load inside it, measured the same on the H100: 27.8 vs 28.4 µs at B=16, 64k)
         for ti in tl.range(SEL_TILES, num_stages=STAGES):
             slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
-            bslot = slot // TPB                                  # a block is TPB tiles (``WS_TILE``)
-            part = (slot % TPB) * BN
-            j = tl.load(IDX + b * sib + g * sig + tl.minimum(bslot, N_SEL - 1))
-            kpos = j * BLOCK + part + offs_n
-            # j = −1 (an unused slot) <=> kpos < offs_n + part; bslot >= n: past a ragged last chunk.
+            j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
+            kpos = j * BLOCK + offs_n
+            # j = −1 (an unused slot) <=> kpos < offs_n; slot >= n: past a ragged last chunk.
             # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
-            valid = (offs_n + part < BLOCK) & (kpos >= offs_n + part) & (kpos <= t) & (offs_n + bslot < offs_n + N_SEL)
+            valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
             m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
@@ -572,7 +565,7 @@ class Plan:
     n_max: int                 # compressed cache entries
     n_sel: int                 # selection slots n
     nbp: int                   # selection blocks of the cache, padded to a power of two
-    BN: int                    # tokens per tile of the window / selection partials (a block, or WS_TILE of one)
+    BN: int                    # tokens per tile of the window / selection partials (>= l': a block a tile)
     BNC: int                   # compressed tokens per tile of the compressed partials
     BH: int
     BDA: int                   # d_k as two power-of-two parts: BDA + BDB >= d_k (BDB = 0: one part)
@@ -590,7 +583,6 @@ class Plan:
     gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
-    tpb: int = 1               # window / selection tiles per selection block (``WS_TILE``)
 
     @property
     def NC(self) -> int:
@@ -604,13 +596,11 @@ class Plan:
 
 def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
-    BNB = max(16, triton.next_power_of_2(cfg.block_size))
-    # window / selection tiles of WS_TILE tokens where they divide a block (a power of two), else a block a tile
-    BN = WS_TILE if WS_TILE and B * G >= WS_TILE_ROWS and BNB == cfg.block_size and WS_TILE < BNB else BNB
+    BN = max(16, triton.next_power_of_2(cfg.block_size))
     # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
-    BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BNB
+    BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN
     n_sm = sm_count(device)
-    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), cfg.n_selected * (BNB // BN)
+    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), cfg.n_selected
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
     tb = BNC * cfg.cmp_stride // cfg.block_size
@@ -620,8 +610,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G), *_launch_shape(B * G),
-                tpb=BNB // BN)
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G), *_launch_shape(B * G))
 
 
 class Workspace:
@@ -676,7 +665,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
                   NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
-                  PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES, TPB=p.tpb,
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
     if append is not None and not fused:

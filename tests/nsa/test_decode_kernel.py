@@ -89,34 +89,6 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
-@pytest.mark.parametrize("ws_tile", [16, None], ids=["tiles-half-a-block", "tiles-a-block"])
-def test_window_and_selection_tiles_smaller_than_a_block(ws_tile, monkeypatch):
-    """Window / selection tiles of half a selection block (``WS_TILE``, taken from B·G =
-    ``WS_TILE_ROWS`` on; here from 1), the block's two halves in turn: the oracle's blocks,
-    outputs and the formula's reads, where a half lies past t, at t and in a block not selected."""
-    from kernels import decode
-    monkeypatch.setattr(decode, "WS_TILE", ws_tile)
-    monkeypatch.setattr(decode, "WS_TILE_ROWS", 1)
-    cfg = tiny(block_size=32, n_selected=4, window=40)
-    torch.manual_seed(7)
-    m = NSAAttention(cfg).to(DEV)
-    x = torch.randn(2, 150, cfg.d_model, device=DEV)
-    p = decode.plan(cfg, 2, 150, cfg.n_cmp(149), DEV)
-    assert (p.BN, p.tpb) == ((16, 2) if ws_tile else (32, 1))
-    with torch.no_grad():
-        for t in (20, 47, 100, 149):
-            q, k, v = m.project(x[:, :t + 1])
-            cache = DecodeCache(cfg, 2, 150, device=DEV)
-            cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
-            pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
-            r = decode.decode_attention(q[:, t], cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, cfg, p=p)
-            ref = reference.decode_row(q[:, t], cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, cfg)
-            assert torch.equal(r.idx.long(), ref["idx"]), t
-            for br in ("cmp", "sel", "win"):
-                assert compare(r.out[br], ref[f"o_{br}"], None, dtype=torch.float32)["ok"], (t, br)
-                assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
-
-
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
 def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer):
     """branches=(b,): the same output and reads as the full step, and only b noted as run."""
