@@ -134,11 +134,18 @@ def test_missing_profile_source_is_refused(tmp_path):
 
 
 # -- 4, 5. signals and orphans (real processes) ---------------------------------------------
+def _hangup_default() -> None:
+    """The child takes SIGHUP as from a terminal, whatever this process inherited (under nohup it
+    would inherit SIG_IGN, which the run keeps on purpose: ``test_an_ignored_sighup_stays_ignored``)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, *extra) -> subprocess.Popen:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
     return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu",
                              "--out", str(tmp_path / "runs"), *extra], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_hangup_default if hasattr(signal, "SIGHUP") else None)
 
 
 def _wait_for(pred, timeout=240.0, step=0.01):
