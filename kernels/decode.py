@@ -83,7 +83,7 @@ PARTIAL_STAGES = 2             # software-pipelining stages of a partial program
 # (Window + selection tiles of 32 tokens, half a selection block, from B·G = 16 on, measured slower: H100,
 # `suite decode -k test_bench`, two rounds each on one machine, B=16 64k 118.3-118.4 vs 110.8-111.1 us. With 3
 # stages for the window + selection launch, graph-replayed in a script, tiles of 32 / 16 tokens took 110.7-112.5 /
-# 111.8-112.3 us and whole blocks 113.5-114.6: none beat 2 stages.)
+# 111.8-112.3 us and whole blocks 113.5-114.6: none clearly ahead of 2 stages (110.8-111.1 above).)
 MAX_TILES = 16                 # tiles one partial program walks at most
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
