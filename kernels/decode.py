@@ -123,7 +123,7 @@ CMP_EARLY = True
 # us: 64k B=1 41.8 (items every P-th), 32.2-32.9 with the compressed and window chunks merged by items of their
 # own as soon as they finish (items taken next from a counter: the same), 33.5 / 38.0 with the rows in 2 / 4
 # software-pipelined groups, vs 28.6-31.4; 64k B=16 130.5, from a counter 124.7 (selection chunks of 8 tiles; 4
-# tiles 121.8-123.6, 2 tiles 125.2; groups 2 / 4 / 8: 135.1 / 168.5-177.6 / 170.6) vs 110.1-111.2; B=4 and 128k
+# tiles 121.8-123.6, 2 tiles 125.2; groups 2 / 4 / 8: 135.1 / 168.5-177.6 / 170.6) vs 110.1-111.4; B=4 and 128k
 # B=16 (items every P-th, no merge items) 59.3 vs 48.3 and 205.4 vs 179.0. Its item timeline (globaltimer) shows
 # why: at B=1 the chain is as long as the launches' (compressed chunks of one tile end at 8.4, scoring 11.7, top-n
 # 17.5 (5.4 of work), selection 22.4 (one tile: 3.9), merge 25.4), with ~7 us outside the items (a 255-register
