@@ -204,6 +204,7 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
     if step is None:
         step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches)
     r = step(q, pos=cache.pos)
+    routing.note(routing.DECODE, "step", routing.TRITON)
     return (r.out, {br: x.long() for br, x in r.reads.items()},
             r.idx.long() if r.idx is not None else None)
 
@@ -225,6 +226,7 @@ def decode_layer(m, x, cache):
     if step.length != cache.length:
         step.seek(cache.length)
     out = step(x)
+    routing.note(routing.DECODE, "step", routing.TRITON)
     r = step.last
     return out, {br: n.long() for br, n in r.reads.items()}, r.idx.long()
 

@@ -129,13 +129,14 @@ class NSAAttention(nn.Module):
         """The backend each prefill branch will use at this length, and why."""
         return routing.prefill_routes(self.policy, seq_len, cfg=self.cfg, device=device, dtype=dtype)
 
-    def mix(self, g, parts: dict[str, torch.Tensor], routes=None) -> torch.Tensor:
+    def mix(self, g, parts: dict[str, torch.Tensor], routes=None, phase: str = routing.PREFILL) -> torch.Tensor:
         """o_proj(Σ g·o_branch) over the branches in ``parts`` (each [B, S, H, d_v]) -> [B, S, D];
         one fused pass on the routed backend when all three branches ran, else a multiply-add per
-        branch (a zero output when none ran)."""
+        branch (a zero output when none ran). ``phase``: whose mix this is (the profiler range and
+        the dispatch log name ``<phase>/mix``)."""
         B, S = g.shape[:2]
         d = (routes or {}).get("mix")
-        with routing.profiler_range(routing.PREFILL, "mix"):
+        with routing.profiler_range(phase, "mix"):
             if d is not None and d.backend != routing.TORCH and all(br in parts for br in BRANCHES):
                 impl, _ = routing.lookup(routing.PREFILL, "mix", d.backend)
                 o = impl(g, *(parts[br] for br in BRANCHES))
@@ -146,8 +147,8 @@ class NSAAttention(nn.Module):
                         o = g[..., i:i + 1] * parts[br] if o is None else torch.addcmul(o, g[..., i:i + 1], parts[br])
                 if o is None:
                     o = g.new_zeros(B, S, self.cfg.n_heads, self.cfg.d_v)
-                if d is not None:
-                    routing.note(routing.PREFILL, "mix", routing.TORCH)
+                if d is not None or phase != routing.PREFILL:
+                    routing.note(phase, "mix", routing.TORCH)
         return self.o_proj(o.reshape(B, S, -1))
 
     # -- prefill -------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class NSAAttention(nn.Module):
             impl, _ = routing.lookup(routing.DECODE, "step", route.backend)
             with routing.profiler_range(routing.DECODE, "step"):
                 outs, reads, idx = impl(cfg=cfg, q=q[:, 0], cache=cache, branches=want)
-            return self.mix(g, {br: outs[br][:, None] for br in want}), StepInfo(reads, idx)
+            return self.mix(g, {br: outs[br][:, None] for br in want}, phase=routing.DECODE), StepInfo(reads, idx)
         K, V, Kc, Vc = cache.k[:, :t + 1], cache.v[:, :t + 1], cache.k_cmp, cache.v_cmp
         parts, reads, idx = {}, {}, None
         if "cmp" in want:
@@ -269,4 +270,4 @@ class NSAAttention(nn.Module):
         if "win" in want:
             parts["win"], used = tb.win_attention(q, K, V, cfg, start=t, phase=routing.DECODE, want_used=True)
             reads["win"] = used[:, 0]
-        return self.mix(g, parts), StepInfo(reads, idx)
+        return self.mix(g, parts, phase=routing.DECODE), StepInfo(reads, idx)

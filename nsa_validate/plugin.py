@@ -41,8 +41,15 @@ class Recorder:
         for (phase, branch), ds in log.decisions.items():
             key = f"{phase}/{branch}"
             self.routes[key] = sorted(set(self.routes.get(key, [])) | ds)
+        # every path the dispatch log saw run, not only those the case asserts: the kernels seen in a
+        # path's range are then filed under the backend that ran there (routing.json)
+        for phase, branch, backend in log.counts:
+            self._ran(f"{phase}/{branch}", [backend])
         for key, names in klog.by_range.items():
             self._saw(key, names)
+
+    def _ran(self, key: str, backends) -> None:
+        self.backends[key] = sorted(set(self.backends.get(key, [])) | set(backends))
 
     def _saw(self, key: str, names) -> None:
         """Add kernel names to what this case observed for ``key`` (a case may observe several blocks)."""
@@ -51,8 +58,7 @@ class Recorder:
     def expect_ran(self, log: DispatchLog, phase: str, branch: str, backend: str) -> None:
         """Record what ran; fail the case if ``backend`` did not execute ``phase/branch``."""
         for br, bes in log.backends(phase).items():
-            key = f"{phase}/{br}"
-            self.backends[key] = sorted(set(self.backends.get(key, [])) | set(bes))
+            self._ran(f"{phase}/{br}", bes)
         assert log.ran(phase, branch, backend) > 0, (
             f"path under test did not run: {phase}/{branch} on {backend}; ran: {log.backends(phase) or 'nothing'}")
         family = evidence.family(phase, branch, backend)
@@ -61,14 +67,17 @@ class Recorder:
             self.expect_kernels(self._klog, key, family, in_range=key in self._klog.by_range)
 
     def expect_kernels(self, log: evidence.KernelLog, key: str, expect: str, in_range: bool = False) -> None:
-        """On a GPU: record the CUDA kernels observed for ``key`` (a branch's range when
-        ``in_range``, else everything in the observed block) and fail the case unless one of them
-        is of the ``expect`` family (``evidence.EXPECT``). On a CPU nothing is observed."""
+        """On a GPU: record the CUDA kernels observed for ``key`` and fail the case unless one of
+        them is of the ``expect`` family (``evidence.EXPECT``). With ``in_range`` those are the
+        kernels of the branch's range; without (Triton launches, which the profiler attributes to
+        no range) only the block's kernels of that family: the block's other kernels (a layer's
+        projections around a step, say) are not this path's. On a CPU nothing is observed."""
         if not log.active:
             return
         names = log.by_range.get(key, {}) if in_range else log.names
-        self._saw(key, names)
-        assert log.matching(expect, key if in_range else None), (
+        own = log.matching(expect, key if in_range else None)
+        self._saw(key, names if in_range else own)
+        assert own, (
             f"the GPU ran no {expect} kernel for {key} (expected /{evidence.EXPECT[expect]}/); it ran: "
             f"{', '.join(sorted(evidence.short(n) for n in names)) or 'no kernel'}")
 

@@ -56,6 +56,39 @@ def test_expect_ran_fails_on_the_kernels_the_gpu_ran(monkeypatch):
     assert rec.kernels["prefill/win"] == ["void flash::flash_fwd_kernel<…>(flash::Flash_fwd_params)"]
 
 
+def test_a_path_observed_block_wide_keeps_only_its_own_kernels():
+    """A Triton step's launches belong to no profiler range, so its kernels are found among the
+    whole block's; the block's other kernels (a layer's projections) are not filed under the path."""
+    from nsa_core.routing import DispatchLog
+    log = DispatchLog()
+    for br in ("cmp", "sel", "win"):
+        log.counts[("decode", br, "triton")] = 1
+    rec = plugin.Recorder()
+    rec._klog = _log("_partial_kernel", "_merge_kernel", *MATH, ranges={"decode/step": [MATH[1]]})
+    for br in ("cmp", "sel", "win"):
+        rec.expect_ran(log, "decode", br, "triton")
+        assert rec.kernels[f"decode/{br}"] == ["_merge_kernel", "_partial_kernel"]
+    rec = plugin.Recorder()          # none of the family ran: the case fails and names what did
+    rec._klog = _log(*MATH)
+    with pytest.raises(AssertionError, match="the GPU ran no triton:decode kernel for decode/cmp.*sm90_xmma"):
+        rec.expect_ran(log, "decode", "cmp", "triton")
+
+
+def test_a_capture_records_every_path_the_dispatch_log_saw(monkeypatch):
+    """Not only the path a case asserts: a prefill run inside a decode case's capture is on record
+    with its backend, so its kernels are never filed under "no backend logged"."""
+    from types import SimpleNamespace
+
+    from nsa_core import routing
+    monkeypatch.setattr(plugin.context, "current", lambda: SimpleNamespace(device="cpu"))
+    rec = plugin.Recorder()
+    with rec.capture() as log:
+        routing.note("prefill", "cmp", "torch")
+        routing.note("decode", "cmp", "triton")
+    rec.expect_ran(log, "decode", "cmp", "triton")
+    assert rec.backends == {"prefill/cmp": ["torch"], "decode/cmp": ["triton"]}
+
+
 def _has_flash_attn() -> bool:
     try:
         import flash_attn  # noqa: F401

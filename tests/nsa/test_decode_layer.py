@@ -41,13 +41,13 @@ def test_layer_step_equals_module_decode(prefill, phi):
         for t in range(prefill, prefill + steps):
             with routing.capture() as log:
                 want, info = ref.decode(x[:, t:t + 1], ref_cache)
-            assert log.backends("decode") == {br: ["torch"] for br in ("cmp", "sel", "win")}
+            assert log.backends("decode") == {br: ["torch"] for br in ("cmp", "sel", "win", "mix")}
             got = step(x[:, t:t + 1])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
             assert torch.equal(step.last.idx.long(), info.idx), f"t={t}: selected blocks differ"
             with routing.capture() as log:
                 got_m, info_m = m.decode(x[:, t:t + 1], mod_cache)
-            assert log.backends("decode") == {br: ["triton"] for br in ("cmp", "sel", "win")}
+            assert log.backends("decode") == {br: ["triton"] for br in ("cmp", "sel", "win", "step")}
             torch.testing.assert_close(got_m, want, rtol=1e-5, atol=1e-5, msg=f"t={t} (module, Triton route)")
             assert torch.equal(info_m.idx, info.idx), f"t={t}: the module's selected blocks differ"
             assert all(torch.equal(info_m.reads[br], info.reads[br]) for br in info.reads), f"t={t}: reads differ"
