@@ -547,7 +547,13 @@ def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm
     6 / 6, 4 / 6, no faster at B=16: 124.7-130.3 vs 125.3-125.6 us at 64k). Fewer programs than
     SMs, for fewer partials to score and merge at small B, was slower (H100, 64k, graph-replayed
     step: B=1 37.2 / 41.5 / 76.3 us with half / a quarter / an eighth as many vs 35.5 us; B=4 64.6
-    vs 58.6 us)."""
+    vs 58.6 us). Also measured and not taken: window + selection programs of equal length, a row's
+    8 window tiles and 16 selected blocks as one list (a program's tiles running from the window into
+    the selection, an online softmax per branch, a partial per branch it holds), as many programs as
+    fill one wave of 2 per SM: at B=16, 64k 4 programs of 6 tiles per row (256) instead of 3 of at
+    most 8 (192). H100, `suite decode -k test_bench`, two rounds alternating with this code: B=16 64k
+    112.4 / 112.4 vs 111.0 / 110.9 us (the window alone 25.0-25.1 vs 26.4-26.6, the selection alone
+    86.8-87.0 vs 87.8), B=1 31.3-31.4 vs 31.9-32.0 (the same 1-tile programs there)."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2
