@@ -12,7 +12,8 @@ graph (the position is a device tensor; no shape depends on it):
    sum, acc). For selection it also writes, per tile of BNC compressed tokens and
    head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
    spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
-   themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer).
+   themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer). They
+   are stored evict_last and dropped from L2 unwritten once scored (``DISCARD``): they never reach DRAM.
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
@@ -115,6 +116,20 @@ EARLY_TRIGGER_ROWS = 16
 # 185.5-186.8, B=32 207.3-208.0 vs 208.7-209.9, but B=8 80.1 vs 75.3 and B=4 60.6 vs 51.4; a half
 # whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1
 CMP_EARLY = True
+# The compressed launch stores its block sums and maxima with evict_last, and the window + selection launch
+# drops their lines from L2 (discard.global.L2) once the scores launch has read them: 4.5 MB at B=16, 64k (9 MB at
+# 128k) that the compressed launch used to write back to DRAM while it streamed the compressed cache, and that the
+# scores launch then read back from DRAM, are never written. Checked with Nsight Compute (--cache-control none,
+# one eager step at B=16, 64k, then a 1 GiB read sweep that evicts L2, its DRAM writes being the step's deferred
+# write-backs): DRAM writes of step + sweep 9.6 vs 14.1 MB, the scores launch's DRAM reads 0.02 vs 3.47 MB. H100,
+# `suite decode -k test_bench` alternating with the code before, two rounds: B=16 64k 107.7 / 107.5 vs 111.1 /
+# 111.0 us (9.09x vs 8.81x same-bytes dense), B=1 31.8 / 31.6 vs 31.8 / 31.8 (outputs bit-identical). What the
+# block sums cost the compressed launch alone (graph-replayed, B=16 64k, before this): 68.5-68.8 us with them,
+# 62.2-62.5 without, 64.6-64.7 with their products but one store per program, 66.1-66.3 with the stores and no
+# products. Measured and not taken: evict_last without the discard (106.1-106.9 us in a script, but its dirty lines
+# are written back later, outside the step: in the harness's flush, or by whatever runs next), and the discards in
+# the top-n launch (on the critical path there: B=16 64k 107.5-107.6 us, B=1 29.5-29.7 vs 28.5-30.9)
+DISCARD = True
 # Measured and not taken: the whole step as ONE persistent launch (2 programs per SM, all resident, taking the
 # step's items in an order where every item depends only on earlier ones: per (row · KV head) its compressed
 # chunks (the first appending the token), window chunks, scoring slices, top-n, selection chunks, merge slices; an
@@ -187,10 +202,17 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0):
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, DISCARD_S: tl.constexpr = 0,
+                    DISCARD_M: tl.constexpr = 0, GDC: tl.constexpr = 0):
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
+    if DISCARD_S > 0:
+        # the window + selection launch: the block sums and maxima the scores launch read (it has finished:
+        # see _grid_dependency) are dead; their L2 lines are dropped unwritten (``DISCARD``)
+        k, nk = tl.program_id(1), tl.num_programs(1)
+        _discard_l2(BSUM, bg * (NT * BH * NBT), NT * BH * NBT, k, nk, DISCARD_S)
+        _discard_l2(BMAX, bg * (NT * BH), NT * BH, k, nk, DISCARD_M)
     b = bg // G
     g = bg % G
     t = tl.load(POS + b)
@@ -238,8 +260,9 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                 bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
                 at = (bg * NT + tau).to(tl.int64) * BH + rows
                 # rows of NBT floats back to back: a tile's sums are one contiguous run of whole sectors
-                tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT)
-                tl.store(BMAX + at, m_run)
+                tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
+                         eviction_policy="evict_last")
+                tl.store(BMAX + at, m_run, eviction_policy="evict_last")
             cnt += tl.sum(valid.to(tl.int32), 0)
     elif c < C_CMP + C_WIN:
         lo = tl.maximum(t - WINDOW + 1, 0)
@@ -272,6 +295,19 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     if WANT_V:
         tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :], acc)
     tl.store(PCNT + out, cnt)
+
+
+@triton.jit
+def _discard_l2(P, first, count, k, nk, NLP: tl.constexpr):
+    """Drop from L2, unwritten, the 128-byte lines holding fp32 elements [first, first + count) of P
+    (``discard.global.L2``: their contents become undefined); this program takes every nk-th line from
+    its k-th, at most NLP. A line shared with a neighbouring range is dropped by both. P must be
+    128-byte aligned (a torch allocation is)."""
+    lo = first // 32
+    hi = (first + count + 31) // 32
+    ln = tl.minimum(lo + k + nk * tl.arange(0, NLP), hi - 1).to(tl.int64)
+    tl.inline_asm_elementwise("discard.global.L2 [$1], 128;\n mov.u32 $0, 0;", "=r,l", [P + ln * 32],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -523,6 +559,14 @@ def _gdc(device, rows: int) -> int:
     return 2 if rows <= EARLY_TRIGGER_ROWS else 1
 
 
+def _discards(device) -> bool:
+    """Whether the step drops its dead block sums from L2 (``DISCARD``): on a GPU that has
+    discard.global.L2 (sm80 and later), never under the interpreter."""
+    dev = torch.device(device)
+    return (DISCARD and dev.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(dev) >= (8, 0))
+
+
 def _launch_shape(rows: int) -> tuple[int, int]:
     """(warps of a scoring program, d_v columns of a merge program) for a step over ``rows`` = B·G:
     fewer, wider programs for few rows. H100, paper config, 64k, graph-replayed step (us), scoring
@@ -698,7 +742,11 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, **common)
+        # the block sums' lines are dropped by this launch (``DISCARD``): lines per row, shared by its programs
+        ds, dm = (((triton.next_power_of_2(triton.cdiv(n // 32 + 2, hi - lo)) for n in
+                    (p.n_tiles * p.BH * p.nbt, p.n_tiles * p.BH)) if "sel" in want and _discards(q.device) else (0, 0)))
+        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, DISCARD_S=ds,
+                                      DISCARD_M=dm, **common)
     BDV_S = min(p.BDV, p.merge_cols)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
