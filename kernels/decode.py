@@ -130,6 +130,11 @@ CMP_EARLY = True
 # are written back later, outside the step: in the harness's flush, or by whatever runs next), and the discards in
 # the top-n launch (on the critical path there: B=16 64k 107.5-107.6 us, B=1 29.5-29.7 vs 28.5-30.9)
 DISCARD = True
+# Measured and not taken: no merge launch from B·G = 32 on, each row's last window + selection program to finish
+# (a per-row counter, release / acquire atomics) merging the row's partials, all d_v columns 32 at a time. H100,
+# `suite decode --level full -k "test_bench and (S65536 or S131072)"`, two rounds alternating with this code: B=16
+# 64k 112.2 / 112.3 vs 107.5 / 107.7 us, 128k 186.6 / 186.3 vs 173.9 / 173.8 (the window + selection kernel
+# carrying the merge's code); B=1 unchanged (not fused there)
 # Measured and not taken: the whole step as ONE persistent launch (2 programs per SM, all resident, taking the
 # step's items in an order where every item depends only on earlier ones: per (row · KV head) its compressed
 # chunks (the first appending the token), window chunks, scoring slices, top-n, selection chunks, merge slices; an
