@@ -13,7 +13,8 @@ graph (the position is a device tensor; no shape depends on it):
    head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
    spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
    themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer). They
-   are stored evict_last and dropped from L2 unwritten once scored (``DISCARD``): they never reach DRAM.
+   are stored evict_last, so that the cache streaming through L2 does not evict them before they are
+   scored (measured: the record after ``CMP_EARLY``).
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
@@ -116,25 +117,26 @@ EARLY_TRIGGER_ROWS = 16
 # 185.5-186.8, B=32 207.3-208.0 vs 208.7-209.9, but B=8 80.1 vs 75.3 and B=4 60.6 vs 51.4; a half
 # whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1
 CMP_EARLY = True
-# The compressed launch stores its block sums and maxima with evict_last, and the window + selection launch
-# drops their lines from L2 (discard.global.L2) once the scores launch has read them: 4.5 MB at B=16, 64k (9 MB at
-# 128k) that the compressed launch used to write back to DRAM while it streamed the compressed cache, and that the
-# scores launch then read back from DRAM, are never written. Checked with Nsight Compute (--cache-control none,
-# one eager step at B=16, 64k, then a 1 GiB read sweep that evicts L2, its DRAM writes being the step's deferred
-# write-backs): DRAM writes of step + sweep 9.6 vs 14.1 MB, the scores launch's DRAM reads 0.02 vs 3.47 MB. H100,
-# `suite decode -k test_bench` alternating with the code before, two rounds: B=16 64k 107.7 / 107.5 vs 111.1 /
-# 111.0 us (9.09x vs 8.81x same-bytes dense), B=1 31.8 / 31.6 vs 31.8 / 31.8 (outputs bit-identical). What the
-# block sums cost the compressed launch alone (graph-replayed, B=16 64k, before this): 68.5-68.8 us with them,
-# 62.2-62.5 without, 64.6-64.7 with their products but one store per program, 66.1-66.3 with the stores and no
-# products. Measured and not taken: evict_last without the discard (106.1-106.9 us in a script, but its dirty lines
-# are written back later, outside the step: in the harness's flush, or by whatever runs next), and the discards in
-# the top-n launch (on the critical path there: B=16 64k 107.5-107.6 us, B=1 29.5-29.7 vs 28.5-30.9)
-DISCARD = True
+# The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
+# compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
+# from there by the scores launch) before they are scored. H100, `suite decode -k test_bench` alternating with
+# the code before (the stores plain), two rounds: B=16 64k 107.7 / 107.5 vs 111.1 / 111.0 us, B=1 31.8 / 31.6 vs
+# 31.8 / 31.8 (outputs bit-identical). Part of that is write-back moved past the step: lines left dirty when it
+# ends are written back in the harness's flush (untimed) or by whatever runs next. Timed with what runs next (the
+# step and a 128 MB read sweep as one graph, replayed back to back without a flush; sweep alone 51.7 us): 64k
+# B=16 158.4-158.8 vs 160.6-162.1 us (the step alone, read flush: 106.3-106.6 vs 110.0-110.1), 128k 225.2-225.8
+# vs 231.2-232.8 (173.1-173.6 vs 178.1-178.8): of the step's gain, 2-3 of 3.5 us are kept at 64k, all at 128k.
+# What the block sums cost the compressed launch alone (graph-replayed, B=16 64k, stores plain): 68.5-68.8 us
+# with them, 62.2-62.5 without, 64.6-64.7 with their products but one store per program, 66.1-66.3 with the
+# stores and no products. Measured and not taken: dropping the lines from L2 unwritten once scored
+# (discard.global.L2 in the window + selection launch): the same times (step + sweep 158.7-158.8 us at 64k,
+# 225.7-225.8 at 128k), and Nsight Compute (application replay, one step then a 1 GiB read sweep) counted the
+# same DRAM writes with and without it (9.6-9.7 vs 9.2-9.5 MB); in the top-n launch it also cost B=1 ~1 us.
 # Measured and not taken: no merge launch from B·G = 32 on, each row's last window + selection program to finish
 # (a per-row counter, release / acquire atomics) merging the row's partials, all d_v columns 32 at a time. H100,
 # `suite decode --level full -k "test_bench and (S65536 or S131072)"`, two rounds alternating with this code: B=16
 # 64k 112.2 / 112.3 vs 107.5 / 107.7 us, 128k 186.6 / 186.3 vs 173.9 / 173.8 (the window + selection kernel
-# carrying the merge's code); B=1 unchanged (not fused there)
+# carrying the merge's code); B=1 unchanged (not fused there).
 # Measured and not taken: the whole step as ONE persistent launch (2 programs per SM, all resident, taking the
 # step's items in an order where every item depends only on earlier ones: per (row · KV head) its compressed
 # chunks (the first appending the token), window chunks, scoring slices, top-n, selection chunks, merge slices; an
@@ -207,17 +209,10 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, DISCARD_S: tl.constexpr = 0,
-                    DISCARD_M: tl.constexpr = 0, GDC: tl.constexpr = 0):
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0):
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
-    if DISCARD_S > 0:
-        # the window + selection launch: the block sums and maxima the scores launch read (it has finished:
-        # see _grid_dependency) are dead; their L2 lines are dropped unwritten (``DISCARD``)
-        k, nk = tl.program_id(1), tl.num_programs(1)
-        _discard_l2(BSUM, bg * (NT * BH * NBT), NT * BH * NBT, k, nk, DISCARD_S)
-        _discard_l2(BMAX, bg * (NT * BH), NT * BH, k, nk, DISCARD_M)
     b = bg // G
     g = bg % G
     t = tl.load(POS + b)
@@ -300,19 +295,6 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     if WANT_V:
         tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :], acc)
     tl.store(PCNT + out, cnt)
-
-
-@triton.jit
-def _discard_l2(P, first, count, k, nk, NLP: tl.constexpr):
-    """Drop from L2, unwritten, the 128-byte lines holding fp32 elements [first, first + count) of P
-    (``discard.global.L2``: their contents become undefined); this program takes every nk-th line from
-    its k-th, at most NLP. A line shared with a neighbouring range is dropped by both. P must be
-    128-byte aligned (a torch allocation is)."""
-    lo = first // 32
-    hi = (first + count + 31) // 32
-    ln = tl.minimum(lo + k + nk * tl.arange(0, NLP), hi - 1).to(tl.int64)
-    tl.inline_asm_elementwise("discard.global.L2 [$1], 128;\n mov.u32 $0, 0;", "=r,l", [P + ln * 32],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -564,14 +546,6 @@ def _gdc(device, rows: int) -> int:
     return 2 if rows <= EARLY_TRIGGER_ROWS else 1
 
 
-def _discards(device) -> bool:
-    """Whether the step drops its dead block sums from L2 (``DISCARD``): on a GPU that has
-    discard.global.L2 (sm80 and later), never under the interpreter."""
-    dev = torch.device(device)
-    return (DISCARD and dev.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(dev) >= (8, 0))
-
-
 def _launch_shape(rows: int) -> tuple[int, int]:
     """(warps of a scoring program, d_v columns of a merge program) for a step over ``rows`` = B·G:
     fewer, wider programs for few rows. H100, paper config, 64k, graph-replayed step (us), scoring
@@ -747,11 +721,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        # the block sums' lines are dropped by this launch (``DISCARD``): lines per row, shared by its programs
-        ds, dm = (((triton.next_power_of_2(triton.cdiv(n // 32 + 2, hi - lo)) for n in
-                    (p.n_tiles * p.BH * p.nbt, p.n_tiles * p.BH)) if "sel" in want and _discards(q.device) else (0, 0)))
-        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, DISCARD_S=ds,
-                                      DISCARD_M=dm, **common)
+        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, **common)
     BDV_S = min(p.BDV, p.merge_cols)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
