@@ -147,8 +147,7 @@ class NSAAttention(nn.Module):
                         o = g[..., i:i + 1] * parts[br] if o is None else torch.addcmul(o, g[..., i:i + 1], parts[br])
                 if o is None:
                     o = g.new_zeros(B, S, self.cfg.n_heads, self.cfg.d_v)
-                if d is not None or phase != routing.PREFILL:
-                    routing.note(phase, "mix", routing.TORCH)
+                routing.note(phase, "mix", routing.TORCH)
         return self.o_proj(o.reshape(B, S, -1))
 
     # -- prefill -------------------------------------------------------------------------
