@@ -137,6 +137,14 @@ CMP_EARLY = True
 # `suite decode --level full -k "test_bench and (S65536 or S131072)"`, two rounds alternating with this code: B=16
 # 64k 112.2 / 112.3 vs 107.5 / 107.7 us, 128k 186.6 / 186.3 vs 173.9 / 173.8 (the window + selection kernel
 # carrying the merge's code); B=1 unchanged (not fused there).
+# Measured and not taken (H100, paper config, graph-replayed, read flush, three rounds each, us; outputs checked against
+# this code's): the window walked by the compressed launch's programs (compressed program c also walking window chunk c,
+# token t's k/v read from the new token's buffer) and the selection alone in the second partial launch, its tiles per
+# program swept: 64k B=16 108.7-108.9 (4 tiles; 2 / 8 / 16: 110.7-111.1 / 111.8-112.0 / 123.2-123.5) vs 105.5-107.1;
+# B=8 70.3-71.7 vs 66.2-66.5; B=4 50.9-51.5 vs 47.0-47.2; B=1 32.6-32.8 vs 28.7-28.9; 128k B=16 183.7-183.8 vs
+# 174.2-174.8; only B=32 64k gained, 196.8-197.1 (8 tiles) vs 197.8. And the window's k/v lines prefetched into L2
+# (PTX prefetch.global.L2, from the scoring programs, before the window + selection launch reads them): 64k B=16
+# 107.6-107.9 (evict_last: 113.0-113.3) vs 104.9-106.4, 128k 177.0-177.4 vs 174.5-175.1, B=1 29.3-29.5 vs 28.7-28.9.
 # Measured and not taken: the whole step as ONE persistent launch (2 programs per SM, all resident, taking the
 # step's items in an order where every item depends only on earlier ones: per (row · KV head) its compressed
 # chunks (the first appending the token), window chunks, scoring slices, top-n, selection chunks, merge slices; an
