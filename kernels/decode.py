@@ -386,7 +386,12 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     the selection's alone 20.4: the window's bytes only moved from one launch to the other); or as a
     launch of their own on a second stream, beside the scoring and top-n: 64k B=16 117.6 vs
     118.0-118.2 µs, 128k B=16 184.9-185.7 vs 186.1-186.9, but B=1 34.0-34.1 vs 31.0-31.6 and B=4
-    56.6-57.5 vs 51.7-51.8 (window chunks of 1 or 2 tiles there: slower at every B)."""
+    56.6-57.5 vs 51.7-51.8 (window chunks of 1 or 2 tiles there: slower at every B). Also slower: the top-n
+    spread over many programs per row, each ranking 16-64 of its blocks against every causal block of the row
+    (rank = how many beat it) and writing the selected ones to slot (forced + rank), the merge sorting the list:
+    H100, graph-replayed, read flush, best setting (16 blocks a program, 4 warps): 64k B=1 30.6-30.8 vs 28.9-29.0
+    us, B=2 39.2-39.4 vs 35.3-35.6, B=4 55.6-55.8 vs 47.5, B=8 82.7 vs 66.3-66.9, B=16 141.5-142.7 vs 105.6-106.8;
+    128k B=1 45.2-45.4 vs 36.3-36.4; only 16k B=1 gained, 22.9-23.2 vs 24.0."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
@@ -584,7 +589,12 @@ def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm
     fill one wave of 2 per SM: at B=16, 64k 4 programs of 6 tiles per row (256) instead of 3 of at
     most 8 (192). H100, `suite decode -k test_bench`, two rounds alternating with this code: B=16 64k
     112.4 / 112.4 vs 111.0 / 110.9 us (the window alone 25.0-25.1 vs 26.4-26.6, the selection alone
-    86.8-87.0 vs 87.8), B=1 31.3-31.4 vs 31.9-32.0 (the same 1-tile programs there)."""
+    86.8-87.0 vs 87.8), B=1 31.3-31.4 vs 31.9-32.0 (the same 1-tile programs there). Nsight Compute on that
+    launch (B=16, 64k) shows its programs latency-bound on instructions, not on DRAM: 1.5 programs per SM (two fit),
+    a warp issuing every 8 cycles, 82% of scheduler cycles with no eligible warp, 56% of DRAM peak. More programs per
+    SM were slower still (H100, graph-replayed, read flush, B=16 64k, vs 105.8-106.9 us with 2 stages, 4 warps, 8
+    tiles): 1 stage (4, 3, 2 or 8 tiles) 112.5-118.2; 1 stage with registers capped at 128 (4 programs per SM)
+    110.5-114.7; 2 stages, 4 tiles 109.4-109.9; 2 warps 109.8-113.2; at 128k B=16 175.0-185.4 vs 174.0-174.1."""
     t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2
