@@ -87,6 +87,20 @@ PARTIAL_STAGES = 2             # software-pipelining stages of a partial program
 # stages for the window + selection launch, graph-replayed in a script, tiles of 32 / 16 tokens took 110.7-112.5 /
 # 111.8-112.3 us and whole blocks 113.5-114.6: none clearly ahead of 2 stages (110.8-111.1 above).)
 MAX_TILES = 16                 # tiles one partial program walks at most
+# B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
+# config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
+# that launch is latency-bound on them). H100, graph-replayed step, read flush, three rounds, us, two blocks vs one:
+# B·G 16 (B=4): 4k 27.8-28.7 vs 28.2-28.3, 16k 32.2-32.3 vs 33.3-33.4, 64k 45.5-46.1 vs 47.2-47.6, 128k
+# 62.8-62.9 vs 63.8-64.0; B·G 8: 64k 35.0-37.9 vs 35.4-37.5, 16k 26.7 vs 26.7-26.8; slower at B·G 4 (64k 29.0-29.3
+# vs 28.4-28.7), 32 (64k 68.7-69.0 vs 66.5-66.8, 128k 100.3-100.6 vs 97.9-98.4) and 64 (64k 112.2-113.2 vs
+# 105.7-106.5 with 4 tiles a program, 113.0-113.1 with 2; 128k 177.9-181.6 vs 174.8-175.1)
+TWO_BLOCK_TILES = (9, 16)
+# Measured and not taken (same timing): partial programs computing 32 or 64 rows, the group's 16 heads padded (64: a
+# Hopper wgmma, each warp holding whole rows, so the softmax's row reductions stay within a warp; ptxas: 9-13 rather
+# than 15 barriers a tile, but 188 KB of shared memory for the compressed launch's programs): B=16 64k, window +
+# selection programs of 64 rows 109.3-114.1 us (1 stage; 2 stages 118.3-118.5), of 32 rows 109.6-109.8, compressed
+# programs of 64 rows 122.2-148.3, of 32 rows 144.5-145.1, vs 105.4-107.3; 128k 177.3-185.1 vs 174.3-174.9; B=1
+# 28.4-35.1 vs 28.5-28.7.
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
 # elements per piece of the append's row copy (``_copy``): 64 made the step ~1 us slower on the H100
@@ -217,7 +231,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0):
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1):
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
@@ -286,12 +300,19 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
         # (loading the chunk's block numbers as one vector before the loop, so that no K/V address waits
         # on a load inside it, measured the same on the H100: 27.8 vs 28.4 µs at B=16, 64k)
         for ti in tl.range(SEL_TILES, num_stages=STAGES):
-            slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
-            j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
-            kpos = j * BLOCK + offs_n
-            # j = −1 (an unused slot) <=> kpos < offs_n; slot >= n: past a ragged last chunk.
-            # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
-            valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
+            if BPT == 1:
+                slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
+                j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
+                kpos = j * BLOCK + offs_n
+                # j = −1 (an unused slot) <=> kpos < offs_n; slot >= n: past a ragged last chunk.
+                # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
+                valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
+            else:
+                # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
+                slot = ((c - C_CMP - C_WIN) * SEL_TILES + ti) * BPT + offs_n // BLOCK
+                j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
+                kpos = j * BLOCK + offs_n % BLOCK
+                valid = (j >= 0) & (kpos <= t) & (slot < N_SEL)
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
             m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
@@ -612,7 +633,7 @@ class Plan:
     n_max: int                 # compressed cache entries
     n_sel: int                 # selection slots n
     nbp: int                   # selection blocks of the cache, padded to a power of two
-    BN: int                    # tokens per tile of the window / selection partials (>= l': a block a tile)
+    BN: int                    # tokens per tile of the window / selection partials (>= bpt · l': bpt blocks a tile)
     BNC: int                   # compressed tokens per tile of the compressed partials
     BH: int
     BDA: int                   # d_k as two power-of-two parts: BDA + BDB >= d_k (BDB = 0: one part)
@@ -627,6 +648,7 @@ class Plan:
     tb: int                    # selection blocks per tile of BNC compressed tokens (BNC·d / l')
     nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
     nbt_p: int                 # nbt padded to a power of two >= 16
+    bpt: int                   # selection blocks per window/selection tile (BN = bpt · l'; ``TWO_BLOCK_TILES``)
     gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
@@ -643,11 +665,14 @@ class Plan:
 
 def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
-    BN = max(16, triton.next_power_of_2(cfg.block_size))
+    BN1 = max(16, triton.next_power_of_2(cfg.block_size))
+    lo, hi = TWO_BLOCK_TILES
+    bpt = 2 if BN1 == cfg.block_size and lo <= B * G <= hi else 1    # selection blocks per window/selection tile
+    BN = BN1 * bpt
     # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
-    BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN
+    BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN1
     n_sm = sm_count(device)
-    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), cfg.n_selected
+    cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), triton.cdiv(cfg.n_selected, bpt)
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
     tb = BNC * cfg.cmp_stride // cfg.block_size
@@ -657,7 +682,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), _gdc(device, B * G), *_launch_shape(B * G))
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, _gdc(device, B * G), *_launch_shape(B * G))
 
 
 class Workspace:
@@ -739,7 +764,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, **common)
+        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt, **common)
     BDV_S = min(p.BDV, p.merge_cols)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,

@@ -34,8 +34,16 @@ def _cache_at(m, x, t, dtype):
     return q[:, t], cache
 
 
+@pytest.fixture(params=["block-tiles", "two-block-tiles"])
+def tiles(request, monkeypatch):
+    """Window / selection tiles of one selection block or two (``TWO_BLOCK_TILES``; a GPU picks by B·G)."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "TWO_BLOCK_TILES", (0, 0) if request.param == "block-tiles" else (0, 10 ** 9))
+    return request.param
+
+
 @pytest.mark.parametrize("t", POSITIONS)
-def test_decode_step_matches_oracle_row_and_reads_formula(t, layer):
+def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles):
     from kernels.decode import decode_attention
     m, x, dtype = layer
     with torch.no_grad():
@@ -90,7 +98,7 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
 
 
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
-def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer):
+def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer, tiles):
     """branches=(b,): the same output and reads as the full step, and only b noted as run."""
     from kernels.decode import decode_attention
     m, x, dtype = layer
@@ -133,7 +141,7 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
 
 @pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],
                          ids=["append-in-compressed-launch", "append-d_k-144-two-pieces", "append-own-launch"])
-def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches):
+def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches, tiles):
     """DecodeStep: writes k/v at pos into the cache (in the compressed launch, or its own launch when
     that does not run), reuses its workspace (same output buffers every call), and gives the oracle's
     row t after the append."""
