@@ -102,7 +102,11 @@ TWO_BLOCK_TILES = (9, 16)
 # programs of 64 rows 122.2-148.3, of 32 rows 144.5-145.1, vs 105.4-107.3; 128k 177.3-185.1 vs 174.3-174.9; B=1
 # 28.4-35.1 vs 28.5-28.7.
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
-CMP_TILE = 64                  # compressed tokens per tile of the compressed partials
+# compressed tokens per tile of the compressed partials. (128, half the tile loop's iterations and barriers per
+# byte, measured slower: H100, graph-replayed, read flush, B=16 64k 126.1-126.4 us with 1 stage (80 KB of shared
+# memory; 2 stages, one program per SM: 162.1-162.2) vs 105.7-107.3; 128k 208.6-209.1 vs 175.9-176.5; B=4 56.9-58.6
+# vs 45.9-46.2; B=1 31.6-32.0 vs 28.7-28.8. 32 with 4 stages: 125.1-126.9 / 210.7-211.2 / 50.9-51.0 / 33.2-33.3.)
+CMP_TILE = 64
 # elements per piece of the append's row copy (``_copy``): 64 made the step ~1 us slower on the H100
 # (64k, B=1 32.2-32.7 vs 31.1-31.6 us, B=16 119.5 vs 118.4-118.5)
 COPY_CHUNK: tl.constexpr = tl.constexpr(128)
