@@ -66,14 +66,17 @@ def _cache(B, S, seed):
 
 
 # -- parity ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.contexts],
-                                       "decode", "contexts", 1))
-def test_parity(S, record):
+# B=2 and B=4: with the paper's 4 KV heads, B·G 8 and 16, the two window / selection tilings (one selection block
+# a tile, two: ``kernels.decode.TWO_BLOCK_TILES``)
+@pytest.mark.parametrize("B,S", profile_cases([pytest.param(2, S, id=f"S{S}") for S in CFG.contexts] +
+                                              [pytest.param(4, S, id=f"B4-S{S}") for S in CFG.contexts],
+                                              "decode", "contexts", 2))
+def test_parity(B, S, record):
     from nsa_core import reference
     decode = _require()
-    B = 2
     cache, new = _cache(B, S, seed=S)
     step = decode.DecodeStep(LAYER, cache)
+    record.metrics["blocks_per_tile"] = step.plan.bpt
     with torch.no_grad(), record.capture() as log:
         r = step(**new)
     for br in ("cmp", "sel", "win"):
@@ -94,7 +97,7 @@ def test_parity(S, record):
     got = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
     record.metrics["reads"] = {"measured": got, "formula": want}
     assert got == {br: [want[br]] for br in got}, f"measured reads {got} != formula {want}"
-    if S in CFG.effect_contexts:
+    if S in CFG.effect_contexts and B == 2:
         record.metrics["reads_by_effect"] = _reads_by_effect(decode, cache, new, r, t)
     record.assert_ok()
 
