@@ -93,7 +93,9 @@ MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G 16 (B=4): 4k 27.8-28.7 vs 28.2-28.3, 16k 32.2-32.3 vs 33.3-33.4, 64k 45.5-46.1 vs 47.2-47.6, 128k
 # 62.8-62.9 vs 63.8-64.0; B·G 8: 64k 35.0-37.9 vs 35.4-37.5, 16k 26.7 vs 26.7-26.8; slower at B·G 4 (64k 29.0-29.3
 # vs 28.4-28.7), 32 (64k 68.7-69.0 vs 66.5-66.8, 128k 100.3-100.6 vs 97.9-98.4) and 64 (64k 112.2-113.2 vs
-# 105.7-106.5 with 4 tiles a program, 113.0-113.1 with 2; 128k 177.9-181.6 vs 174.8-175.1)
+# 105.7-106.5 with 4 tiles a program, 113.0-113.1 with 2; 128k 177.9-181.6 vs 174.8-175.1). H200, the same script:
+# B·G 16: 64k 42.7-44.8 vs 44.1-44.2, 16k 30.8-31.0 vs 31.9, 128k 60.2-60.4 vs 60.0-60.4; B·G 8 33.4-33.6 vs
+# 33.5-33.6; slower at B·G 32 (64.5-64.8 vs 61.6-62.1) and 64 (102.2-102.7 vs 97.1-97.2)
 TWO_BLOCK_TILES = (9, 16)
 # Measured and not taken (same timing): partial programs computing 32 or 64 rows, the group's 16 heads padded (64: a
 # Hopper wgmma, each warp holding whole rows, so the softmax's row reductions stay within a warp; ptxas: 9-13 rather
