@@ -107,7 +107,9 @@ SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 # compressed tokens per tile of the compressed partials. (128, half the tile loop's iterations and barriers per
 # byte, measured slower: H100, graph-replayed, read flush, B=16 64k 126.1-126.4 us with 1 stage (80 KB of shared
 # memory; 2 stages, one program per SM: 162.1-162.2) vs 105.7-107.3; 128k 208.6-209.1 vs 175.9-176.5; B=4 56.9-58.6
-# vs 45.9-46.2; B=1 31.6-32.0 vs 28.7-28.8. 32 with 4 stages: 125.1-126.9 / 210.7-211.2 / 50.9-51.0 / 33.2-33.3.)
+# vs 45.9-46.2; B=1 31.6-32.0 vs 28.7-28.8. 32 with 4 stages: 125.1-126.9 / 210.7-211.2 / 50.9-51.0 / 33.2-33.3.
+# The tile loop unrolled by 2 / 4 (``tl.range(loop_unroll_factor=)``): B=16 64k 108.0-109.0 / 121.6-121.9 vs
+# 105.5-106.8, 128k 174.9-175.5 / 195.5-197.0 vs 175.0-175.4, B=1 28.6-28.9 vs 28.5-28.6.)
 CMP_TILE = 64
 # elements per piece of the append's row copy (``_copy``): 64 made the step ~1 us slower on the H100
 # (64k, B=1 32.2-32.7 vs 31.1-31.6 us, B=16 119.5 vs 118.4-118.5)
