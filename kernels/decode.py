@@ -137,7 +137,10 @@ EARLY_TRIGGER_ROWS = 16
 # batch halves (or quarters) as parallel streams of one graph, so that one half's scoring, top-n and
 # merge run beside the other's partials: B=16 64k 115.7-116.5 vs 116.6-118.4 us, 128k 178.9 vs
 # 185.5-186.8, B=32 207.3-208.0 vs 208.7-209.9, but B=8 80.1 vs 75.3 and B=4 60.6 vs 51.4; a half
-# whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1
+# whose window launch goes first, before its compressed one, 125.0-127.3 at B=16 64k; quarters 134.1. (Halves as
+# streams measured again with the step as it is since the early trigger and evict_last, each half its own plan:
+# B=16 64k 127.5-130.6 vs 105.9-106.8 us, 128k 197.2-197.8 vs 173.8-175.2, B=32 212.9-213.8 vs 195.0-197.1, B=8
+# 88.4-88.5 vs 66.6-67.1; planned as the whole batch, slower still.)
 CMP_EARLY = True
 # The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
 # compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
