@@ -22,7 +22,8 @@ graph (the position is a device tensor; no shape depends on it):
    top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
    −1 padded: exactly docs/nsa.md.
 3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
-   (positions j·l' .. min(j·l'+l', t+1)−1).
+   (positions j·l' .. min(j·l'+l', t+1)−1), in tiles of one selection block (two at B·G 9–16:
+   ``TWO_BLOCK_TILES``).
 4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
    gate-weighted mix when a gate is given, and the tokens each branch's programs loaded.
 
