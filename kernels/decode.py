@@ -31,7 +31,8 @@ On Hopper and later the step's kernels (a separate cache append included) are la
 dependent launches: each is set up while the one before it runs and waits, first thing, until
 that one has finished and its writes are visible (``_grid_dependency``; the merge reads the
 compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
-gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed).
+gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed). For few rows the
+next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``).
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
@@ -86,7 +87,11 @@ PARTIAL_STAGES = 2             # software-pipelining stages of a partial program
 # (Window + selection tiles of 32 tokens, half a selection block, from B·G = 16 on, measured slower: H100,
 # `suite decode -k test_bench`, two rounds each on one machine, B=16 64k 118.3-118.4 vs 110.8-111.1 us. With 3
 # stages for the window + selection launch, graph-replayed in a script, tiles of 32 / 16 tokens took 110.7-112.5 /
-# 111.8-112.3 us and whole blocks 113.5-114.6: none clearly ahead of 2 stages (110.8-111.1 above).)
+# 111.8-112.3 us and whole blocks 113.5-114.6: none clearly ahead of 2 stages (110.8-111.1 above). Later, the
+# launch as one program per SM with deeper prefetch, its window in one program of 8 tiles and its 16 blocks in
+# another (128 programs at B=16), graph-replayed, read flush, three rounds: B=16 64k 3 stages 108.5-108.6 us (8
+# warps 109.7-109.8; 2 stages 115.7-117.4; 4 stages do not fit in shared memory) vs 104.7-106.2 as planned, 128k
+# 174.2-175.4 vs 173.6-173.8; the planned tiles with 3 stages 110.0-110.4 / 178.0-178.2.)
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
@@ -125,7 +130,14 @@ PDL = True
 # 82.8-83.1, 64: 129.3-129.4 / 130.9-131.0. Above it, the early trigger in some launches only (each of
 # the 15 subsets of the first four) gained at most ~1 us: B·G 64 116.3-116.5 (scores and top-n) vs
 # 116.7-117.9 us, 128k 184.9-185.5 (top-n) vs 186.2-186.5, B·G 32 74.3-74.4 vs 75.4-75.6; in all four,
-# 123.6 us at B·G 64
+# 123.6 us at B·G 64. Above it, each program instead lets the next launch start once its own loop is done
+# (``_grid_release``): the next kernel is launched when the last program of this one gets there, not when it has
+# exited, and its programs take only the slots this one's finished programs freed. A graph-replayed step's
+# timeline (globaltimer per program, H100, B=16 64k, waiting only) showed ~1 us between the last program of
+# each launch ending and the first of the next starting, four times a step. H100, graph-replayed, read flush,
+# three rounds alternating, us, late trigger vs waiting only (outputs bit-identical): B=16 64k 104.6-107.0 vs
+# 105.9-107.7, 128k 173.7-174.6 vs 175.8-176.3, 16k 60.6-61.0 vs 61.4-61.9; B=8 64k 65.3-65.7 vs 66.7-66.9;
+# B=32 64k 197.7-198.7 vs 198.2-199.1
 EARLY_TRIGGER_ROWS = 16
 # the merge's loads of the compressed partials moved ahead of its wait (``_grid_dependency``): under
 # the early trigger they overlap the window + selection launch. H100, paper config, graph-replayed step,
@@ -193,15 +205,24 @@ def _grid_dependency(GDC: tl.constexpr):
     """Programmatic dependent launch (Hopper; ``PDL``): with GDC >= 1 the kernel was launched
     before the previous one finished and waits here until it has (and its writes are visible),
     so nothing it reads can be stale; with GDC = 2 it also lets the next kernel of the step be
-    launched now (its programs then wait in turn). Every kernel of a step waits before it reads
-    what the launch before it wrote, so the order is that of plain stream launches.
+    launched now (its programs then wait in turn); GDC = 3 lets it at the end of the program
+    (``_grid_release``). Every kernel of a step waits before it reads what the launch before it
+    wrote, so the order is that of plain stream launches.
 
     What a launch reads of launches further back may be read before the wait: launch N+1 starts
-    only once every program of launch N has passed its own wait (early trigger) or finished, so
-    launch N−1 has finished and its writes are visible (``CMP_EARLY``)."""
+    only once every program of launch N has passed its own wait (a trigger, early or late, comes
+    after it) or finished, so launch N−1 has finished and its writes are visible (``CMP_EARLY``)."""
     if GDC >= 1:
         tl.extra.cuda.gdc_wait()
-    if GDC >= 2:
+    if GDC == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _grid_release(GDC: tl.constexpr):
+    """GDC = 3 (late trigger, ``EARLY_TRIGGER_ROWS``): this program's loop is done, so the next
+    kernel of the step may be launched; it still waits for this one to finish before reading."""
+    if GDC == 3:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -333,6 +354,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
             m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                         DK, DV, BDA, BDB, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
+    _grid_release(GDC)
     out = (bg * NC + c).to(tl.int64)
     tl.store(PM + out * BH + rows, m_i)
     tl.store(PL + out * BH + rows, l_i)
@@ -378,6 +400,7 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
             mt = tl.load(BMAX + at, mask=ok, other=0.0)
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
+    _grid_release(GDC)
     tl.store(SCORE + bg * NBP + j, score)
 
 
@@ -451,6 +474,7 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
         chosen = tl.where(pick, 1, chosen)
         key = tl.where(pick, float("-inf"), key)
         left -= 2
+    _grid_release(GDC)
     rank = tl.cumsum(chosen, 0) - 1                                  # ascending order of the set
     dst = IDX + b * sib + g * sig
     tl.store(dst + rank, j, mask=chosen != 0)
@@ -588,11 +612,12 @@ def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.conste
 # -- launcher -----------------------------------------------------------------------------------
 def _gdc(device, rows: int) -> int:
     """The kernels' GDC mode (``_grid_dependency``) for a step over ``rows`` = B·G: 0 where
-    programmatic dependent launch does not exist (before sm90, the CPU) or ``PDL`` is off."""
+    programmatic dependent launch does not exist (before sm90, the CPU) or ``PDL`` is off; the
+    early trigger (2) up to ``EARLY_TRIGGER_ROWS``, the late one (3) above."""
     dev = torch.device(device)
     if not PDL or dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (9, 0):
         return 0
-    return 2 if rows <= EARLY_TRIGGER_ROWS else 1
+    return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
 
 def _launch_shape(rows: int) -> tuple[int, int]:

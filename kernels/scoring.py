@@ -209,7 +209,13 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     program (2 per SM, 12.5% occupancy), issue slots 35% busy, tensor pipe 34%, MUFU (exp2) 33%.
     Registers capped (``maxnreg``) for a third program per SM spill and were slower: 2 stages with
     200 / 168 / 128 registers 11.98-12.00 / 14.32-14.61 / 20.99-21.02 ms at 64k vs 7.50-7.94 (2
-    stages uncapped 8.38-8.77; 3 stages with 168, 15.06-15.37); at 8k 0.39 / 0.44 / 0.65 vs 0.30."""
+    stages uncapped 8.38-8.77; 3 stages with 168, 15.06-15.37); at 8k 0.39 / 0.44 / 0.65 vs 0.30.
+    Also slower: programs laid out as the compressed forward's (BT tokens × the h heads in the rows of
+    each dot, q loaded once a program, no re-read per chunk), each chunk's probabilities mapped onto
+    blocks by one product per row before the head sum, so that the sum is over [rows, BB] rather than
+    [rows, BCS]: H100, d_k 128, do_bench, ms, best setting (64 rows, BB 16, 4 warps, 2 stages, keys
+    through descriptors) 0.443 / 1.24 / 12.3 at 8k / 16k / 64k vs 0.295 / 0.77 / 7.7-7.9 (128 rows
+    0.53 / 1.51 / 15.2; 8 warps 0.50 / 1.40 / 14.0; BB 32 1.10 / 3.17 / 32.0); d_k 192 17.0 vs 11.1-11.5."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory

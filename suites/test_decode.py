@@ -1,11 +1,12 @@
 """decode: the Triton decode step against the fp32 oracle, and a decode bench that times the GPU.
 
-Parity (``parity[S]``): a cache of S tokens (random K/V, random compressed K/V, NaN past them);
-the step for token t = S−1 must select the oracle's blocks (``reference.decode_row``, fp32, from
-the same cache values) and match each branch's output and the gate mix within the 2x rule against
-the oracle run in the test dtype with the same blocks; the reads it counted must equal the formula,
-and at the profile's ``effect_contexts`` they are also measured by their effect on the output
-(``suites.read_effect``: each token the formula says is read moves it; every other one, NaN, does not).
+Parity (``parity[S]``, ``parity[B4-S]``, ``parity[B8-S]`` at B = 2, 4, 8): a cache of S tokens
+(random K/V, random compressed K/V, NaN past them); the step for token t = S−1 must select the
+oracle's blocks (``reference.decode_row``, fp32, from the same cache values) and match each branch's
+output and the gate mix within the 2x rule against the oracle run in the test dtype with the same
+blocks; the reads it counted must equal the formula, and at the profile's ``effect_contexts`` (B=2)
+they are also measured by their effect on the output (``suites.read_effect``: each token the formula
+says is read moves it; every other one, NaN, does not).
 
 Bench (``bench[B-S]``, docs/method.md): the step is ``kernels.decode.DecodeStep`` (append the new token's
 K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
@@ -67,9 +68,11 @@ def _cache(B, S, seed):
 
 # -- parity ---------------------------------------------------------------------------------
 # B=2 and B=4: with the paper's 4 KV heads, B·G 8 and 16, the two window / selection tilings (one selection block
-# a tile, two: ``kernels.decode.TWO_BLOCK_TILES``)
+# a tile, two: ``kernels.decode.TWO_BLOCK_TILES``); B=8 (B·G 32) at the longest context: on Hopper the launches
+# there let the next one go at the end of their programs, not at their start (``kernels.decode.EARLY_TRIGGER_ROWS``)
 @pytest.mark.parametrize("B,S", profile_cases([pytest.param(2, S, id=f"S{S}") for S in CFG.contexts] +
-                                              [pytest.param(4, S, id=f"B4-S{S}") for S in CFG.contexts],
+                                              [pytest.param(4, S, id=f"B4-S{S}") for S in CFG.contexts] +
+                                              [pytest.param(8, S, id=f"B8-S{S}") for S in CFG.contexts[-1:]],
                                               "decode", "contexts", 2))
 def test_parity(B, S, record):
     from nsa_core import reference
@@ -77,6 +80,7 @@ def test_parity(B, S, record):
     cache, new = _cache(B, S, seed=S)
     step = decode.DecodeStep(LAYER, cache)
     record.metrics["blocks_per_tile"] = step.plan.bpt
+    record.metrics["pdl_mode"] = step.plan.gdc          # 0 none, 2 early trigger, 3 late (kernels.decode._gdc)
     with torch.no_grad(), record.capture() as log:
         r = step(**new)
     for br in ("cmp", "sel", "win"):
