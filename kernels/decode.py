@@ -268,7 +268,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
-    b = bg // G
+    # 64-bit: the cache strides fit in int32, row b's offset b · (T_max · G · d) may not (B=32 at 128k)
+    b = (bg // G).to(tl.int64)
     g = bg % G
     t = tl.load(POS + b)
     if APPEND:
@@ -595,6 +596,7 @@ def _copy(DST, SRC, N: tl.constexpr):
 def _append_row(K, V, KN, VN, b, g, t, skb, skt, skg, svb, svt, svg, G: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr):
     """Copy row b, KV head g of the new token's k [B, G, d_k] / v [B, G, d_v] (contiguous) to position t."""
+    b = b.to(tl.int64)
     _copy(K + b * skb + t * skt + g * skg, KN + (b * G + g) * DK, DK)
     _copy(V + b * svb + t * svt + g * svg, VN + (b * G + g) * DV, DV)
 

@@ -48,7 +48,7 @@ def _span_kernel(K, V, PE_K, PE_V, T, XK, XV, skb, skt, svb, svt,
                  BL: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, ADD_PE: tl.constexpr):
     """Program (b, g): rows t−L+1 .. t of k and v (clamped at 0: such a span is never stored) for KV
     head g, + pe [L, d], -> XK[b, g] = [L·d_k] (row-major over (l, d)), XV likewise."""
-    b, g = tl.program_id(0), tl.program_id(1)
+    b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)    # 64-bit: b · (T_max · G · d) may pass 2^31
     t = tl.load(T + b).to(tl.int64)
     _span_rows(XK, K, PE_K, b, g, t, skb, skt, G, L, DK, BL, BDK, ADD_PE)
     _span_rows(XV, V, PE_V, b, g, t, svb, svt, G, L, DV, BL, BDV, ADD_PE)
@@ -72,7 +72,7 @@ def _store_kernel(YK, YV, KC, VC, T, skb, skn, svb, svn,
                   BDK: tl.constexpr, BDV: tl.constexpr):
     """Program (b, g): where token t completes a span ((t+1−L) ≥ 0 and a multiple of STRIDE), write
     φ's outputs YK[b, g] [d_k] / YV[b, g] [d_v] to compressed slot (t+1−L)/STRIDE; else nothing."""
-    b, g = tl.program_id(0), tl.program_id(1)
+    b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     start = tl.load(T + b).to(tl.int64) + 1 - L
     _store_row(YK, KC, b, g, start, skb, skn, G, STRIDE, DK, BDK)
     _store_row(YV, VC, b, g, start, svb, svn, G, STRIDE, DV, BDV)

@@ -145,6 +145,9 @@ class DecodeCfg:
     bench_contexts: list[int] | None = None     # the bench's contexts; None: ``contexts``
     # the Nsight Compute DRAM-counter probe (``dram_reads``, ~10 s on an H100: a profiled process)
     dram_counters: bool = True
+    # the ``wide_cache`` parity case: at the longest context, just enough rows that the raw K cache
+    # holds more than 2^31 elements (64-bit row offsets; ~16 GB of device memory at 64k)
+    wide_cache: bool = False
 
     def check(self, w: str) -> None:
         for name in ("contexts", "batches", "effect_contexts"):

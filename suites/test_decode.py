@@ -106,6 +106,50 @@ def test_parity(B, S, record):
     record.assert_ok()
 
 
+def _wide_batch(S: int) -> int:
+    """The fewest rows whose raw K cache of S tokens holds more than 2^31 elements with the last
+    row's offset past int32 (b · S·G·d_k, while the strides themselves fit in int32)."""
+    return 2 ** 31 // (S * LAYER.n_kv_heads * LAYER.d_k) + 2
+
+
+@pytest.mark.nsa_exclusive
+@pytest.mark.parametrize("B,S", profile_cases([pytest.param(_wide_batch(S), S, id=f"wide-S{S}")
+                                               for S in (CFG.contexts[-1:] if CFG.wide_cache else [])],
+                                              "decode", "wide_cache", 2))
+def test_wide_cache(B, S, record):
+    """A cache of more than 2^31 elements: the first and last rows (the largest offsets) against the
+    oracle as in ``parity``. (A 32-bit row offset read wrapped addresses there: NaN in the last row,
+    then an illegal address in the graph-replayed step; H100, B=44 at 64k, before 64-bit offsets.)"""
+    from nsa_core import reference
+    decode = _require()
+    G, el = LAYER.n_kv_heads, DTYPE.itemsize
+    need = B * S * G * ((LAYER.d_k + LAYER.d_v) * el + LAYER.d_k * 4)     # caches + make_inputs' fp32 draw
+    if GPU and torch.cuda.mem_get_info()[0] < 1.2 * need:
+        pytest.skip(f"needs ~{1.2 * need / 2**30:.1f} GiB of free device memory, "
+                    f"{torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free")
+    cache, new = _cache(B, S, seed=S)
+    record.metrics["k_cache_elements"] = cache.k.numel()
+    step = decode.DecodeStep(LAYER, cache)
+    with torch.no_grad(), record.capture() as log:
+        r = step(**new)
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    t = S - 1
+    want = LAYER.expected_reads(t)
+    for b in (0, B - 1):
+        rows = slice(b, b + 1)
+        args = (new["q"][rows], cache.k[rows], cache.v[rows], cache.k_cmp[rows], cache.v_cmp[rows], t, LAYER)
+        ref = reference.decode_row(*args)
+        assert torch.equal(r.idx[rows].long(), ref["idx"]), f"row {b}: selected blocks differ from the oracle's"
+        lp = reference.decode_row(*args, idx=ref["idx"], dtype=DTYPE) if DTYPE != torch.float32 else None
+        for br in ("cmp", "sel", "win"):
+            record.check(f"o_{br}_row{b}", r.out[br][rows], ref[f"o_{br}"], lp and lp[f"o_{br}"], dtype=DTYPE)
+        got = {br: r.reads[br][b].unique().tolist() for br in ("cmp", "sel", "win")}
+        assert got == {br: [want[br]] for br in got}, f"row {b}: measured reads {got} != formula {want}"
+    del cache, new, step, r
+    record.assert_ok()
+
+
 def _reads_by_effect(decode, cache, new, r, t):
     """The step's reads measured by their effect on its output (``suites.read_effect``), per branch
     on the kernel alone: the tokens that move the output are the formula's, token for token, and
