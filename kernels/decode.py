@@ -83,6 +83,11 @@ PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
+# Where a step's time goes, per program (globaltimer at start, after the wait, at the end; H100, B=16 64k, the step
+# graph-replayed after an L2 flush, waiting only above EARLY_TRIGGER_ROWS, us from the first program's start): the
+# compressed partials 0-71.2 (programs end from 62.2, p50 67.6), block scores 72.2-74.8, top-n 75.8-80.6 (4.6-4.9 of
+# work in each of its 64 programs), window + selection 81.7-109.1 (programs of 20-27.4 us; ends p10 104.2, p50
+# 105.5), merge 110.1-112.6. B=1: 0-8.7, -11.0, -16.1, -22.0, -26.9, each launch waiting on the one before.
 PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
 # (Window + selection tiles of 32 tokens, half a selection block, from B·G = 16 on, measured slower: H100,
 # `suite decode -k test_bench`, two rounds each on one machine, B=16 64k 118.3-118.4 vs 110.8-111.1 us. With 3
@@ -91,7 +96,10 @@ PARTIAL_STAGES = 2             # software-pipelining stages of a partial program
 # launch as one program per SM with deeper prefetch, its window in one program of 8 tiles and its 16 blocks in
 # another (128 programs at B=16), graph-replayed, read flush, three rounds: B=16 64k 3 stages 108.5-108.6 us (8
 # warps 109.7-109.8; 2 stages 115.7-117.4; 4 stages do not fit in shared memory) vs 104.7-106.2 as planned, 128k
-# 174.2-175.4 vs 173.6-173.8; the planned tiles with 3 stages 110.0-110.4 / 178.0-178.2.)
+# 174.2-175.4 vs 173.6-173.8; the planned tiles with 3 stages 110.0-110.4 / 178.0-178.2. Its programs in another order,
+# a row's chunks adjacent or the selection chunks first (so that the second program on an SM is a window one):
+# the same within run-to-run spread, B=16 64k 104.4-106.0 / 105.7-106.3 vs 104.6-107.2, 128k 171.8-173.3 /
+# 169.2-173.0 vs 171.7-174.2, B=8 65.7-66.1 / 65.7-65.9 vs 65.2-65.4.)
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
@@ -268,7 +276,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
-    # 64-bit: the cache strides fit in int32, row b's offset b · (T_max · G · d) may not (B=32 at 128k)
+    # 64-bit: the cache strides fit in int32, row b's offset b · (T_max · G · d) may not (B=44 at 64k, B=32 at 128k)
     b = (bg // G).to(tl.int64)
     g = bg % G
     t = tl.load(POS + b)
