@@ -75,32 +75,14 @@ def _cache(B, S, seed):
                                               [pytest.param(8, S, id=f"B8-S{S}") for S in CFG.contexts[-1:]],
                                               "decode", "contexts", 2))
 def test_parity(B, S, record):
-    from nsa_core import reference
     decode = _require()
     cache, new = _cache(B, S, seed=S)
     step = decode.DecodeStep(LAYER, cache)
     record.metrics["blocks_per_tile"] = step.plan.bpt
     record.metrics["pdl_mode"] = step.plan.gdc          # 0 none, 2 early trigger, 3 late (kernels.decode._gdc)
-    with torch.no_grad(), record.capture() as log:
-        r = step(**new)
-    for br in ("cmp", "sel", "win"):
-        record.expect_ran(log, "decode", br, "triton")
+    r = _step(step, new, record)
     t = S - 1
-    args = (new["q"], cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, LAYER)
-    ref = reference.decode_row(*args)
-    mismatch = (r.idx.long() != ref["idx"]).any(-1)
-    record.metrics["idx_rows_differing"] = int(mismatch.sum())
-    assert not mismatch.any(), f"selected blocks differ from the oracle's in {int(mismatch.sum())} of {B * LAYER.n_kv_heads} (row, KV head)"
-    lp = reference.decode_row(*args, idx=ref["idx"], dtype=DTYPE) if DTYPE != torch.float32 else None
-    for br in ("cmp", "sel", "win"):
-        record.check(f"o_{br}", r.out[br], ref[f"o_{br}"], lp and lp[f"o_{br}"], dtype=DTYPE)
-    g = new["gate"]
-    mix = lambda o, dt: sum(g[..., i:i + 1].to(dt) * o[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))  # noqa: E731
-    record.check("mixed", r.mixed, mix(ref, torch.float32), lp and mix(lp, DTYPE), dtype=DTYPE)
-    want = LAYER.expected_reads(t)
-    got = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
-    record.metrics["reads"] = {"measured": got, "formula": want}
-    assert got == {br: [want[br]] for br in got}, f"measured reads {got} != formula {want}"
+    _against_oracle(record, r, cache, new, t, slice(None))
     if S in CFG.effect_contexts and B == 2:
         record.metrics["reads_by_effect"] = _reads_by_effect(decode, cache, new, r, t)
     record.assert_ok()
@@ -117,37 +99,52 @@ def _wide_batch(S: int) -> int:
                                                for S in (CFG.contexts[-1:] if CFG.wide_cache else [])],
                                               "decode", "wide_cache", 2))
 def test_wide_cache(B, S, record):
-    """A cache of more than 2^31 elements: the first and last rows (the largest offsets) against the
+    """A cache of more than 2^31 elements: its first and last rows (the largest offsets) against the
     oracle as in ``parity``. (A 32-bit row offset read wrapped addresses there: NaN in the last row,
     then an illegal address in the graph-replayed step; H100, B=44 at 64k, before 64-bit offsets.)"""
-    from nsa_core import reference
     decode = _require()
-    G, el = LAYER.n_kv_heads, DTYPE.itemsize
-    need = B * S * G * ((LAYER.d_k + LAYER.d_v) * el + LAYER.d_k * 4)     # caches + make_inputs' fp32 draw
+    need = B * S * LAYER.n_kv_heads * ((LAYER.d_k + LAYER.d_v) * DTYPE.itemsize + LAYER.d_k * 4)  # + fp32 draw
     if GPU and torch.cuda.mem_get_info()[0] < 1.2 * need:
         pytest.skip(f"needs ~{1.2 * need / 2**30:.1f} GiB of free device memory, "
                     f"{torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free")
     cache, new = _cache(B, S, seed=S)
     record.metrics["k_cache_elements"] = cache.k.numel()
-    step = decode.DecodeStep(LAYER, cache)
+    r = _step(decode.DecodeStep(LAYER, cache), new, record)
+    for b in (0, B - 1):
+        _against_oracle(record, r, cache, new, S - 1, slice(b, b + 1), f"_row{b}")
+    record.assert_ok()
+
+
+def _step(step, new, record):
+    """One eager step; its three branches must have run on the Triton kernels."""
     with torch.no_grad(), record.capture() as log:
         r = step(**new)
     for br in ("cmp", "sel", "win"):
         record.expect_ran(log, "decode", br, "triton")
-    t = S - 1
+    return r
+
+
+def _against_oracle(record, r, cache, new, t, rows: slice, tag: str = ""):
+    """Batch rows ``rows`` of step result ``r`` for token t vs the fp32 oracle: the same blocks, each
+    branch's output and the gate mix within the 2x rule (the oracle in the test dtype with the same
+    blocks as the low-precision reference), reads == formula. Checks are named ``o_<branch><tag>``."""
+    from nsa_core import reference
+    args = (new["q"][rows], cache.k[rows], cache.v[rows], cache.k_cmp[rows], cache.v_cmp[rows], t, LAYER)
+    ref = reference.decode_row(*args)
+    mismatch = (r.idx[rows].long() != ref["idx"]).any(-1)
+    record.metrics[f"idx_rows_differing{tag}"] = int(mismatch.sum())
+    assert not mismatch.any(), (f"selected blocks differ from the oracle's in {int(mismatch.sum())} of "
+                                f"{mismatch.numel()} (row, KV head){tag}")
+    lp = reference.decode_row(*args, idx=ref["idx"], dtype=DTYPE) if DTYPE != torch.float32 else None
+    for br in ("cmp", "sel", "win"):
+        record.check(f"o_{br}{tag}", r.out[br][rows], ref[f"o_{br}"], lp and lp[f"o_{br}"], dtype=DTYPE)
+    g = new["gate"][rows]
+    mix = lambda o, dt: sum(g[..., i:i + 1].to(dt) * o[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))  # noqa: E731
+    record.check(f"mixed{tag}", r.mixed[rows], mix(ref, torch.float32), lp and mix(lp, DTYPE), dtype=DTYPE)
     want = LAYER.expected_reads(t)
-    for b in (0, B - 1):
-        rows = slice(b, b + 1)
-        args = (new["q"][rows], cache.k[rows], cache.v[rows], cache.k_cmp[rows], cache.v_cmp[rows], t, LAYER)
-        ref = reference.decode_row(*args)
-        assert torch.equal(r.idx[rows].long(), ref["idx"]), f"row {b}: selected blocks differ from the oracle's"
-        lp = reference.decode_row(*args, idx=ref["idx"], dtype=DTYPE) if DTYPE != torch.float32 else None
-        for br in ("cmp", "sel", "win"):
-            record.check(f"o_{br}_row{b}", r.out[br][rows], ref[f"o_{br}"], lp and lp[f"o_{br}"], dtype=DTYPE)
-        got = {br: r.reads[br][b].unique().tolist() for br in ("cmp", "sel", "win")}
-        assert got == {br: [want[br]] for br in got}, f"row {b}: measured reads {got} != formula {want}"
-    del cache, new, step, r
-    record.assert_ok()
+    got = {br: r.reads[br][rows].unique().tolist() for br in ("cmp", "sel", "win")}
+    record.metrics[f"reads{tag}"] = {"measured": got, "formula": want}
+    assert got == {br: [want[br]] for br in got}, f"measured reads {got} != formula {want}{tag}"
 
 
 def _reads_by_effect(decode, cache, new, r, t):
