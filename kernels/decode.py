@@ -163,6 +163,26 @@ EARLY_TRIGGER_ROWS = 16
 # B=16 64k 127.5-130.6 vs 105.9-106.8 us, 128k 197.2-197.8 vs 173.8-175.2, B=32 212.9-213.8 vs 195.0-197.1, B=8
 # 88.4-88.5 vs 66.6-67.1; planned as the whole batch, slower still.)
 CMP_EARLY = True
+# The window programs of the window + selection launch start without waiting (``_partial_kernel``'s WIN_NOWAIT, the new
+# token read from its own buffer), and above EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait
+# (GDC 4): the window's 21 MB (B=16, 64k) stream while the top-n ranks. The per-program timeline (globaltimer, H100,
+# B=16 64k) had the window programs start at 73.0-74.2 us instead of 79.9-80.9, the selection ones waiting to ~79.5
+# as before. H100, paper config, graph-replayed, read flush, three rounds alternating, us, outputs bit-identical, with
+# vs without: B=16 64k 103.9-105.7 vs 105.8-108.1 (again: 104.3-105.7 vs 105.7-108.0), 128k 172.9-173.1 vs
+# 173.6-173.8, 16k 59.6 vs 60.5-61.1; B=8 64k 64.5-64.8 vs 65.5-66.0, 128k 95.5-95.6 vs 97.1-97.3; B=32 64k the
+# same (198.6-199.5 vs 198.9-199.4). Later, six rounds in alternating order (the earlier runs always timed the code
+# before first): B=16 64k 105.8-107.0 vs 104.3-106.3 and, the same case again, 105.6-105.8 vs 106.1-106.9 (within
+# the run-to-run spread: no gain shown there), 128k 172.0-172.9 vs 172.0-172.9, B=8 64k 64.0-64.3 vs 65.3-65.9. Below it (early trigger) the window alone not waiting: B=4 64k 44.9-45.1 vs
+# 46.0-46.1, B=2 34.6-34.7 vs 35.2-35.3, B=1 64k / 128k unchanged (28.6-28.8 vs 28.8-28.9 / 36.6-36.9 vs
+# 36.7-36.8); there the top-n triggering first as well gained nothing (B=2 34.7-34.9, B=4 46.0-46.3).
+# Measured and not taken: the scores launch triggering first too, so that the window starts under the scoring (B=16
+# 64k 104.1-104.8 us, but 128k 182.0-183.5: some top-n programs, launched early and waiting through the scoring, then
+# took 15-17 us instead of 6-7, on SMs running nothing else; also with the window waiting); the compressed launch
+# triggering early as well, so that the window fills its tail (B=16 64k 112.4-113.5, 128k 180.8-181.1); the window
+# and selection programs shorter once the window overlaps (window / selection tiles a program 4/4, 2/4, 2/8, 4/8, 1/4,
+# 2/2, 8/6, 8/5, 8/4, 4/6, 8/3 vs 8/8): at B=16 64k none faster (105.1-109.8 vs 103.9-105.7), 128k 171.4-171.5 with
+# 8/6 vs 171.6-172.4, B=8 only 2/2 (61.2-61.5 vs 63.5-64.4) and slower at B=4 and B=32.
+WIN_NOWAIT = True
 # The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
 # compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
 # from there by the scores launch) before they are scored. H100, `suite decode -k test_bench` alternating with
@@ -214,12 +234,18 @@ def _grid_dependency(GDC: tl.constexpr):
     before the previous one finished and waits here until it has (and its writes are visible),
     so nothing it reads can be stale; with GDC = 2 it also lets the next kernel of the step be
     launched now (its programs then wait in turn); GDC = 3 lets it at the end of the program
-    (``_grid_release``). Every kernel of a step waits before it reads what the launch before it
-    wrote, so the order is that of plain stream launches.
+    (``_grid_release``); GDC = 4 lets it before waiting (the top-n launch above
+    EARLY_TRIGGER_ROWS, so that the window programs after it start while it runs:
+    ``_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
+    launch before it wrote, so the order is that of plain stream launches.
 
     What a launch reads of launches further back may be read before the wait: launch N+1 starts
-    only once every program of launch N has passed its own wait (a trigger, early or late, comes
-    after it) or finished, so launch N−1 has finished and its writes are visible (``CMP_EARLY``)."""
+    only once every program of launch N has passed its own wait (a trigger with GDC 2 or 3 comes
+    after it) or finished, so launch N−1 has finished and its writes are visible (``CMP_EARLY``).
+    With GDC = 4 that holds one launch further back: the top-n's programs have all started, the
+    scores launch before it has passed its waits, so the compressed launch has finished."""
+    if GDC == 4:
+        tl.extra.cuda.gdc_launch_dependents()
     if GDC >= 1:
         tl.extra.cuda.gdc_wait()
     if GDC == 2:
@@ -272,10 +298,22 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1):
-    _grid_dependency(GDC)
+                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
+                    WIN_NOWAIT: tl.constexpr = False):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
+    if WIN_NOWAIT:
+        # a window program reads nothing an earlier launch of this step wrote (the new token's k/v it
+        # takes from KN/VN, not from the cache the compressed launch appends to): it starts without
+        # waiting, beside the top-n. The selection programs wait, so the launch after still finds
+        # every earlier one finished
+        if (c >= C_CMP) & (c < C_CMP + C_WIN):
+            if GDC == 2 or GDC == 4:
+                tl.extra.cuda.gdc_launch_dependents()
+        else:
+            _grid_dependency(GDC)
+    else:
+        _grid_dependency(GDC)
     # 64-bit: the cache strides fit in int32, row b's offset b · (T_max · G · d) may not (B=44 at 64k, B=32 at 128k)
     b = (bg // G).to(tl.int64)
     g = bg % G
@@ -335,6 +373,10 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
             valid = kpos <= t
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+            if WIN_NOWAIT:
+                # token t's k/v from the new token's buffer: the append may not have happened yet
+                kp = tl.where(kpos == t, KN + (b * G + g) * DK, kp)
+                vp = tl.where(kpos == t, VN + (b * G + g) * DV, vp)
             m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                         DK, DV, BDA, BDB, PREC, True)
             cnt += tl.sum(valid.to(tl.int32), 0)
@@ -782,6 +824,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     ws = ws or Workspace(p, q.dtype, q.device)
     want = set(branches)
     pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
+    # above EARLY_TRIGGER_ROWS the top-n lets the window + selection launch go before it waits (GDC 4)
+    topn_pdl = dict(pdl, GDC=4 if p.gdc == 3 else p.gdc)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
@@ -810,11 +854,15 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                                         OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **pdl)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
-                            NBP=NBP, num_warps=SELECT_WARPS, **pdl)
+                            NBP=NBP, num_warps=SELECT_WARPS, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt, **common)
+        # the window programs start without waiting only where selection programs of the same launch wait: the
+        # merge after it reads the compressed partials before its own wait (CMP_EARLY)
+        nowait = WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
+        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
+                                       WIN_NOWAIT=nowait, **common)
     BDV_S = min(p.BDV, p.merge_cols)
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
