@@ -181,7 +181,14 @@ CMP_EARLY = True
 # triggering early as well, so that the window fills its tail (B=16 64k 112.4-113.5, 128k 180.8-181.1); the window
 # and selection programs shorter once the window overlaps (window / selection tiles a program 4/4, 2/4, 2/8, 4/8, 1/4,
 # 2/2, 8/6, 8/5, 8/4, 4/6, 8/3 vs 8/8): at B=16 64k none faster (105.1-109.8 vs 103.9-105.7), 128k 171.4-171.5 with
-# 8/6 vs 171.6-172.4, B=8 only 2/2 (61.2-61.5 vs 63.5-64.4) and slower at B=4 and B=32.
+# 8/6 vs 171.6-172.4, B=8 only 2/2 (61.2-61.5 vs 63.5-64.4) and slower at B=4 and B=32. With this change in, four
+# rounds in alternating order: B=8 2/2 / 1/2 64k 64.0-64.6 / 63.3-63.6 vs 64.6-64.9 (the plan's 4/4), 128k 93.4-93.7 /
+# 93.6-94.9 vs 95.2-95.6, 16k 41.0-41.3 / 41.3-41.9 vs 40.6-41.0; B=16 64k 4/4 and 2/2 108.1-108.7 vs 105.2-106.0;
+# B=32 64k 8/8, 4/4, 8/16 196.0-197.7 vs 197.1-197.2. And the selection loop alone with 3 stages (the window's 2;
+# the kernel's shared memory 90 KB rather than 88, so still 2 programs per SM): selection programs 21.2-22.5 us
+# instead of 22.8-23.6, window programs 27.1-29.4 instead of 23.8-25.1 (B=16, timeline); steps over three inputs, four
+# rounds alternating: B=16 128k 170.3-172.9 vs 172.1-174.0, 64k 104.1-106.6 vs 104.3-106.3, B=8 64k 63.7-64.1 vs
+# 64.1-64.7, 128k 97.0-97.1 vs 95.7-96.0, B=32 64k 199.4-200.0 vs 197.0-197.7, 16k 60.2-60.6 vs 59.4-59.8.
 WIN_NOWAIT = True
 # The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
 # compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
