@@ -215,7 +215,11 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     blocks by one product per row before the head sum, so that the sum is over [rows, BB] rather than
     [rows, BCS]: H100, d_k 128, do_bench, ms, best setting (64 rows, BB 16, 4 warps, 2 stages, keys
     through descriptors) 0.443 / 1.24 / 12.3 at 8k / 16k / 64k vs 0.295 / 0.77 / 7.7-7.9 (128 rows
-    0.53 / 1.51 / 15.2; 8 warps 0.50 / 1.40 / 14.0; BB 32 1.10 / 3.17 / 32.0); d_k 192 17.0 vs 11.1-11.5."""
+    0.53 / 1.51 / 15.2; 8 warps 0.50 / 1.40 / 14.0; BB 32 1.10 / 3.17 / 32.0); d_k 192 17.0 vs 11.1-11.5.
+    And the head loop of a chunk (H100, do_bench, three rounds, 64k d_k 128 / 8k / 64k d_k 192, ms, vs 7.45-8.00 /
+    0.297-0.298 / 11.1-11.5): unrolled by 2 (``loop_unroll_factor``) 8.0-8.5 / 0.296-0.298 / 15.4-15.5; fully unrolled
+    (``static_range``) 12.4 / 0.50 / 20.3; its own 2 stages 8.25-8.35 / 0.306-0.307 / 11.9; 1 stage 9.7 / 0.35 / 15.6;
+    warp-specialized: Triton 3.6's NVGPUWarpSpecialization pass fails on it."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
