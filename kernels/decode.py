@@ -32,7 +32,10 @@ dependent launches: each is set up while the one before it runs and waits, first
 that one has finished and its writes are visible (``_grid_dependency``; the merge reads the
 compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed). For few rows the
-next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``).
+next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``),
+except the top-n, which lets it go before its own wait. The window programs do not wait at all: they read nothing
+the step's earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window
+streams while the top-n ranks.
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
