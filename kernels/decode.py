@@ -169,8 +169,8 @@ CMP_EARLY = True
 # The window programs of the window + selection launch start without waiting (``_partial_kernel``'s WIN_NOWAIT, the new
 # token read from its own buffer), and above EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait
 # (GDC 4): the window's 21 MB (B=16, 64k) stream while the top-n ranks. The per-program timeline (globaltimer, H100,
-# B=16 64k) had the window programs start at 73.0-74.2 us instead of 79.9-80.9, the selection ones waiting to ~79.5
-# as before. H100, paper config, graph-replayed, read flush, three rounds alternating, us, outputs bit-identical, with
+# B=16 64k, three replays) has the window programs start at 76.0-77.3 us, ~1 us after the top-n's (75.0-76.3), instead
+# of at 79.9-80.9 after it; the selection programs wait until 80.9-81.9 and end at 106.5-107.8 (window 102.7-103.4). H100, paper config, graph-replayed, read flush, three rounds alternating, us, outputs bit-identical, with
 # vs without: B=16 64k 103.9-105.7 vs 105.8-108.1 (again: 104.3-105.7 vs 105.7-108.0), 128k 172.9-173.1 vs
 # 173.6-173.8, 16k 59.6 vs 60.5-61.1; B=8 64k 64.5-64.8 vs 65.5-66.0, 128k 95.5-95.6 vs 97.1-97.3; B=32 64k the
 # same (198.6-199.5 vs 198.9-199.4). Later, six rounds in alternating order (the earlier runs always timed the code
