@@ -33,9 +33,10 @@ that one has finished and its writes are visible (``_grid_dependency``; the merg
 compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed). For few rows the
 next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``),
-except the top-n, which lets it go before its own wait. The window programs do not wait at all: they read nothing
-the step's earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window
-streams while the top-n ranks.
+except the top-n, which lets it go before its own wait. Where the step appends the new token itself (``DecodeStep``
+given k_new/v_new) and runs all three branches, the window programs do not wait at all: they read nothing the step's
+earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
+the top-n ranks. (``LayerDecodeStep`` appends before the step, for φ's span: there every launch waits.)
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
@@ -155,7 +156,8 @@ EARLY_TRIGGER_ROWS = 16
 # two rounds, harness flush / read-only flush (``timing``), us: 64k B=1 31.0-31.3 / 29.0-29.5 vs
 # 31.4-31.9 / 29.8-30.6; 128k B=1 40.4 / 36.6 vs 40.6-40.8 / 37.4; B=4, 16, 32 unchanged (all
 # outputs bit-identical). Not taken, same runs: the window programs of the window + selection launch
-# starting without a wait (they read only what the compressed launch, three back, wrote): B=1 64k
+# starting without a wait (they read only what the compressed launch, three back, wrote; taken later with the top-n
+# triggering first above EARLY_TRIGGER_ROWS: ``WIN_NOWAIT``): B=1 64k
 # 31.5 / 30.2-30.4, B=4 52.0-52.4 / 49.8 vs 51.6 / 48.4-48.5; the early trigger at every B (with
 # both): B=16 64k 122.0-122.7 vs 117.9-118.2, 128k 193.0-193.2 vs 186.7-187.0. And the step over
 # batch halves (or quarters) as parallel streams of one graph, so that one half's scoring, top-n and
@@ -167,8 +169,8 @@ EARLY_TRIGGER_ROWS = 16
 # 88.4-88.5 vs 66.6-67.1; planned as the whole batch, slower still.)
 CMP_EARLY = True
 # The window programs of the window + selection launch start without waiting (``_partial_kernel``'s WIN_NOWAIT, the new
-# token read from its own buffer), and above EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait
-# (GDC 4): the window's 21 MB (B=16, 64k) stream while the top-n ranks. The per-program timeline (globaltimer, H100,
+# token read from its own buffer; where the step does the append: ``decode_attention``'s ``nowait``), and above
+# EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait (GDC 4): the window's 21 MB (B=16, 64k) stream while the top-n ranks. The per-program timeline (globaltimer, H100,
 # B=16 64k, three replays) has the window programs start at 76.0-77.3 us, ~1 us after the top-n's (75.0-76.3), instead
 # of at 79.9-80.9 after it; the selection programs wait until 80.9-81.9 and end at 106.5-107.8 (window 102.7-103.4). H100, paper config, graph-replayed, read flush, three rounds alternating, us, outputs bit-identical, with
 # vs without: B=16 64k 103.9-105.7 vs 105.8-108.1 (again: 104.3-105.7 vs 105.7-108.0), 128k 172.9-173.1 vs
@@ -247,7 +249,8 @@ def _grid_dependency(GDC: tl.constexpr):
     (``_grid_release``); GDC = 4 lets it before waiting (the top-n launch above
     EARLY_TRIGGER_ROWS, so that the window programs after it start while it runs:
     ``_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
-    launch before it wrote, so the order is that of plain stream launches.
+    launch before it wrote, so the order is that of plain stream launches (the non-waiting window
+    programs, which read nothing those launches write, aside).
 
     What a launch reads of launches further back may be read before the wait: launch N+1 starts
     only once every program of launch N has passed its own wait (a trigger with GDC 2 or 3 comes
@@ -313,12 +316,12 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     if WIN_NOWAIT:
-        # a window program reads nothing an earlier launch of this step wrote (the new token's k/v it
+        # a window program reads nothing an earlier launch of this step writes (the new token's k/v it
         # takes from KN/VN, not from the cache the compressed launch appends to): it starts without
         # waiting, beside the top-n. The selection programs wait, so the launch after still finds
         # every earlier one finished
         if (c >= C_CMP) & (c < C_CMP + C_WIN):
-            if GDC == 2 or GDC == 4:
+            if GDC == 2:
                 tl.extra.cuda.gdc_launch_dependents()
         else:
             _grid_dependency(GDC)
@@ -384,7 +387,9 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
             kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
             vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
             if WIN_NOWAIT:
-                # token t's k/v from the new token's buffer: the append may not have happened yet
+                # token t's k/v from the new token's buffer, so that no read depends on this step's append.
+                # (By the chain in ``_grid_dependency`` the compressed launch has finished when this launch
+                # starts, but this program never waits to be shown its writes.)
                 kp = tl.where(kpos == t, KN + (b * G + g) * DK, kp)
                 vp = tl.where(kpos == t, VN + (b * G + g) * DV, vp)
             m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
@@ -834,8 +839,6 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     ws = ws or Workspace(p, q.dtype, q.device)
     want = set(branches)
     pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
-    # above EARLY_TRIGGER_ROWS the top-n lets the window + selection launch go before it waits (GDC 4)
-    topn_pdl = dict(pdl, GDC=4 if p.gdc == 3 else p.gdc)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
                   CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                   CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
@@ -844,6 +847,13 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
+    # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from
+    # the new token's buffer, of the cache's dtype) and selection programs of the same launch wait: the merge after
+    # it reads the compressed partials before its own wait (CMP_EARLY). Only then does the top-n, above
+    # EARLY_TRIGGER_ROWS, let that launch go before its own wait (GDC 4): otherwise its programs would only sit waiting.
+    nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
+              and append[0].dtype == k.dtype and append[1].dtype == v.dtype)
+    topn_pdl = dict(pdl, GDC=4 if nowait and p.gdc == 3 else p.gdc)
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
     kn, vn = (a.contiguous() for a in append) if fused else (q, q)
@@ -868,9 +878,6 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        # the window programs start without waiting only where selection programs of the same launch wait: the
-        # merge after it reads the compressed partials before its own wait (CMP_EARLY)
-        nowait = WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
         _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
                                        WIN_NOWAIT=nowait, **common)
     BDV_S = min(p.BDV, p.merge_cols)
