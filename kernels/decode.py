@@ -33,7 +33,8 @@ that one has finished and its writes are visible (``_grid_dependency``; the merg
 compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed). For few rows the
 next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``),
-except the top-n, which lets it go before its own wait. Where the step appends the new token itself (``DecodeStep``
+except the top-n, which lets it go before its own wait, and the block scores where the window does not wait and
+their grid is small (``SCORES_EARLY_PROGRAMS``), which let it go at their start. Where the step appends the new token itself (``DecodeStep``
 given k_new/v_new) and runs all three branches, the window programs do not wait at all: they read nothing the step's
 earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
 the top-n ranks. (``LayerDecodeStep`` appends before the step, for φ's span: there every launch waits.)
@@ -195,6 +196,27 @@ CMP_EARLY = True
 # rounds alternating: B=16 128k 170.3-172.9 vs 172.1-174.0, 64k 104.1-106.6 vs 104.3-106.3, B=8 64k 63.7-64.1 vs
 # 64.1-64.7, 128k 97.0-97.1 vs 95.7-96.0, B=32 64k 199.4-200.0 vs 197.0-197.7, 16k 60.2-60.6 vs 59.4-59.8.
 WIN_NOWAIT = True
+# Where the window does not wait (WIN_NOWAIT) above EARLY_TRIGGER_ROWS and the block-scores launch has at most this many
+# programs, that launch lets the top-n go at its start (GDC 2, after its wait) rather than at the end of its programs
+# (GDC 3): the top-n, which lets the window + selection launch go first (GDC 4), is then launched while the scores run,
+# and the window streams from the scores' end rather than from the top-n's start. Per-program timeline (globaltimer,
+# H100, B=16 64k, three replays): window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs'
+# wait ends at 79.1-80.6 instead of 80.9-81.4. H100, paper config, graph-replayed, read flush, eight rounds rotating the
+# order, one workspace shared by the variants, us, outputs bit-identical, with vs without: B=16 64k 105.2-105.8 vs
+# 105.8-106.8, 16k 58.7-59.0 vs 59.6-60.3; B=8 64k 63.7-64.1 vs 64.4-64.6, 128k (1024 programs) 95.8-96.4 vs 95.8-96.4.
+# Over 1024 programs it was slower (each variant its own workspace, which alone moves a step by up to 5 us: see
+# docs/method.md): B=16 128k (2048 programs) 179.7-182.8 vs 172.5-173.1, B=32 64k 200.5-201.2 vs 198.0-198.9; in the
+# 128k timeline some top-n programs, their wait over, took 16-17 us instead of 7, and the selection waited for them.
+# (Scoring programs of 128 blocks, so that those two have 1024 programs and take this too: 185.2-190.1 vs 171.9-172.8
+# us and 207.5-208.9 vs 198.7-199.5.)
+# Measured and not taken, the same shared-workspace runs: the selection programs reading the forced blocks (0 and the
+# two local ones, known from t) before their wait, token t from the new token's buffer, the top-n's picks after it
+# (outputs within rounding of these, blocks and reads equal): B=8 64k 63.2-63.8 vs 64.4-64.6, B=1 64k 28.0-28.3 vs
+# 28.6-28.7, but B=16 64k 106.6-107.0 vs 105.8-106.8, 128k 173.2-174.1 vs 172.8-173.2, B=32 64k 199.0-199.6 vs
+# 196.6-197.5 and B=4 (two-block tiles) 51.8-52.2 vs 45.0-45.4. Its timeline (B=16 64k): the selection programs that
+# start before the top-n ends read their forced blocks then, but those dispatched last start as it ends and read them
+# after, when the bandwidth is already taken: the last selection program ends no earlier.
+SCORES_EARLY_PROGRAMS = 1024
 # The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
 # compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
 # from there by the scores launch) before they are scored. H100, `suite decode -k test_bench` alternating with
@@ -868,10 +890,12 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
+        early = nowait and p.gdc == 3 and BG * (NBP // BJ) <= SCORES_EARLY_PROGRAMS
+        scores_pdl = dict(pdl, GDC=2 if early else p.gdc)       # SCORES_EARLY_PROGRAMS
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
-                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **pdl)
+                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **scores_pdl)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
                             NBP=NBP, num_warps=SELECT_WARPS, **topn_pdl)

@@ -16,6 +16,10 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "timer": "cuda_graph (replays of a captured step), cuda_events (eager) or cpu (perf_counter: noise)",
     "step_ms": "median time of the whole NSA step (graph replay where a GPU is present)",
     "step_p20_ms": "20th percentile of the step samples", "step_p80_ms": "80th percentile",
+    "step_ws_min_ms": "the fastest of the graph-replayed step's medians over `workspaces` steps, each with its own "
+                      "workspace (GPU; the first is step_ms's)",
+    "step_ws_max_ms": "the slowest of them: where a step's buffers land moves it (up to ~3% on an H100)",
+    "workspaces": "how many steps (workspaces) the range is over; 0 without a GPU",
     "eager_ms": "median of the same step launched eagerly from Python (CUDA events)",
     "graph_ms": "median of the graph-replayed step (empty without a GPU)",
     "cmp_ms": "the compressed branch alone", "sel_ms": "selection + the selected branch alone",
@@ -62,7 +66,10 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
     for r in df.to_dict("records"):
         extra.row(TABLE, {
             "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
-            "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}", "eager": _f(r["eager_ms"]),
+            "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}",
+            "workspaces": (f"{_f(r['step_ws_min_ms'])}-{_f(r['step_ws_max_ms'])} ({int(r['workspaces'])})"
+                           if r["workspaces"] else ""),
+            "eager": _f(r["eager_ms"]),
             "cmp": _f(r["cmp_ms"]), "sel": _f(r["sel_ms"]), "win": _f(r["win_ms"]),
             "dense SDPA": _f(r["dense_sdpa_ms"]), "dense flash-attn (same bytes)": _f(r["dense_flash_attn_ms"]),
             "x dense (same bytes)": _f(r["speedup_vs_dense"], 2),

@@ -148,11 +148,15 @@ class DecodeCfg:
     # the ``wide_cache`` parity case: at the longest context, just enough rows that the raw K cache
     # holds more than 2^31 elements (64-bit row offsets; ~16 GB of device memory at 64k)
     wide_cache: bool = False
+    # the bench's graph-replayed step is also timed on this many steps in all, each with its own workspace (where
+    # its buffers land moved the same step by up to 3% on an H100); the report gives their medians' range
+    workspaces: int = 3
 
     def check(self, w: str) -> None:
         for name in ("contexts", "batches", "effect_contexts"):
             positive_list(f"{w}.{name}", getattr(self, name))
         positive_list(f"{w}.bench_contexts", self.bench_contexts or [])
+        positive(f"{w}.workspaces", self.workspaces)
         dtypes(f"{w}.dtype", [self.dtype])
 
 

@@ -240,9 +240,10 @@ def bench_setup(B, S):
                         alone={br: decode.DecodeStep(LAYER, cache, branches=(br,)) for br in ("cmp", "sel", "win")},
                         layer=LayerDecodeStep(m, cache), x=torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE),
                         dense=decode_bench.dense_decodes(LAYER, cache, DTYPE, DEV, flash_attn=fa2.unavailable(
-                            "flash_attn", device=DEV, dtype=DTYPE) is None))
+                            "flash_attn", device=DEV, dtype=DTYPE) is None),
+                        placed=[decode.DecodeStep(LAYER, cache) for _ in range(CFG.workspaces - 1)] if GPU else [])
     with torch.no_grad():
-        for st in (s.step, *s.alone.values()):
+        for st in (s.step, *s.alone.values(), *s.placed):
             st(**new)
         s.layer.seek(S - 1)
         s.layer(s.x)
@@ -269,6 +270,12 @@ def test_bench(B, S, record, bench_setup):
         t["eager"] = _time(lambda: step(**new), graph=False)
         if GPU:
             t["graph"] = _time(lambda: step(**new), graph=True)
+            # the same step on workspaces of its own: where the buffers land moves it (``decode.workspaces``)
+            for i, other in enumerate(bench_setup.placed, 1):
+                o = other(**new)
+                assert torch.equal(o.mixed, r.mixed) and torch.equal(o.idx, r.idx), \
+                    f"the step on workspace {i} differs from the first: not bit-identical"
+                t[f"graph_ws{i}"] = _time(lambda other=other: other(**new), graph=True)
         for br, alone in bench_setup.alone.items():
             t[br] = _time(lambda: alone(**new), graph=True)
         t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True)
@@ -286,6 +293,7 @@ def test_bench(B, S, record, bench_setup):
     nbytes = kv(tokens)
     weights = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
     least = {"eager": nbytes, "graph": nbytes, "layer": nbytes + weights(m),
+             **{f"graph_ws{i}": nbytes for i in range(1, len(bench_setup.placed) + 1)},
              **{br: kv(want[br]) for br in ("cmp", "sel", "win")},
              **{f"dense_{k}": kv(S, LAYER.d_k if k.endswith("_padded") else LAYER.d_v) for k in dense},
              **{f"dense_{k}_layer": kv(S) + weights(dd.proj) for k, dd in dense.items()}}
@@ -298,8 +306,11 @@ def test_bench(B, S, record, bench_setup):
     dense_ms = min(t[k].median_ms for k in ("dense_sdpa", "dense_flash_attn") if k in t)
     dense_layer_ms = min(t[k].median_ms for k in ("dense_sdpa_layer", "dense_flash_attn_layer") if k in t)
     spec = CTX.expect.peak_bandwidth_gbs
+    placed = [tm.median_ms for k, tm in t.items() if k == "graph" or k.startswith("graph_ws")]
     row = {"B": B, "S": S, "timer": main.timer, "step_ms": main.median_ms, "step_p20_ms": main.p20_ms,
-           "step_p80_ms": main.p80_ms, "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"),
+           "step_p80_ms": main.p80_ms, "step_ws_min_ms": min(placed, default=None),
+           "step_ws_max_ms": max(placed, default=None), "workspaces": len(placed),
+           "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"),
            **{f"{br}_ms": t[br].median_ms for br in ("cmp", "sel", "win")},
            "dense_sdpa_ms": ms("dense_sdpa"), "dense_flash_attn_ms": ms("dense_flash_attn"),
            "dense_flash_attn_padded_ms": ms("dense_flash_attn_padded"),

@@ -139,6 +139,35 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
         assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
 
 
+@pytest.mark.parametrize("t", POSITIONS)
+def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer, tiles):
+    """DecodeStep given the new token's k/v (token t not yet in the cache, NaN there), as the bench
+    and graph-captured decoding run it: the compressed launch appends the token, the step after it
+    reads it; at every boundary position the oracle's blocks, outputs and reads, and the token
+    written. (On Hopper the window programs then take token t from the new token's buffer without
+    waiting, ``kernels.decode.WIN_NOWAIT``: the GPU suite's parity cases run that path.)"""
+    from kernels.decode import DecodeStep
+    m, x, dtype = layer
+    with torch.no_grad():
+        q, cache = _cache_at(m, x, t, dtype)
+        _, k, v = m.project(x[:, :t + 1])
+        k_t, v_t = cache.k[:, t].clone(), cache.v[:, t].clone()
+        cache.k[:, t], cache.v[:, t] = float("nan"), float("nan")
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        with routing.capture() as log:
+            r = DecodeStep(CFG, cache)(q, k_t, v_t, pos=pos)
+        assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
+        assert torch.equal(cache.k[:, t], k_t) and torch.equal(cache.v[:, t], v_t)
+        ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
+        assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
+        ref_lp = None if dtype == torch.float32 else \
+            reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
+    for br in ("cmp", "sel", "win"):
+        res = compare(r.out[br], ref[f"o_{br}"], None if ref_lp is None else ref_lp[f"o_{br}"], dtype=dtype)
+        assert res["ok"], (br, res)
+        assert (r.reads[br] == CFG.expected_reads(t)[br]).all(), (br, r.reads[br].tolist())
+
+
 @pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],
                          ids=["append-in-compressed-launch", "append-d_k-144-two-pieces", "append-own-launch"])
 def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches, tiles):
