@@ -232,6 +232,15 @@ SCORES_EARLY_PROGRAMS = 1024
 # (discard.global.L2 in the window + selection launch): the same times (step + sweep 158.7-158.8 us at 64k,
 # 225.7-225.8 at 128k), and Nsight Compute (application replay, one step then a 1 GiB read sweep) counted the
 # same DRAM writes with and without it (9.6-9.7 vs 9.2-9.5 MB); in the top-n launch it also cost B=1 ~1 us.
+# Where the block sums and maxima land decides part of the step's time: ten workspaces of one step (H100, B=16 128k,
+# graph-replayed) took 169.6-172.7 us; the slowest with the fastest one's bsum took 170.7-170.8 instead of 172.5-172.6,
+# with its bmax 171.4-171.5, with any other buffer of it unchanged (and the fastest with the slowest's bsum / bmax
+# 171.1-171.2 / 170.7-171.0 instead of 169.0-169.5). It is not their offset in an allocation (bsum placed at 0-1792 KB
+# in steps of 256 KB in three allocations: within ~1 us in each, the allocations 171.1 / 171.9 / 172.7 on average), so
+# the bench reports the range over workspaces (docs/method.md). Also measured and not taken: the cache's K/V loads
+# evict_first (compressed launch, or both partial launches), so that the stream leaves the block sums alone: the
+# same times and the same spread over three workspaces (B=16 128k 172.0-173.9 vs 170.7-173.9 us, 64k 104.2-104.9 vs
+# 104.4-105.1, B=32 64k 194.2-199.0 vs 195.1-198.4, B=1 64k 28.5-29.0 vs 28.5-28.7).
 # Measured and not taken: no merge launch from B·G = 32 on, each row's last window + selection program to finish
 # (a per-row counter, release / acquire atomics) merging the row's partials, all d_v columns 32 at a time. H100,
 # `suite decode --level full -k "test_bench and (S65536 or S131072)"`, two rounds alternating with this code: B=16
