@@ -150,7 +150,6 @@ def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer,
     m, x, dtype = layer
     with torch.no_grad():
         q, cache = _cache_at(m, x, t, dtype)
-        _, k, v = m.project(x[:, :t + 1])
         k_t, v_t = cache.k[:, t].clone(), cache.v[:, t].clone()
         cache.k[:, t], cache.v[:, t] = float("nan"), float("nan")
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
