@@ -168,6 +168,13 @@ EARLY_TRIGGER_ROWS = 16
 # streams measured again with the step as it is since the early trigger and evict_last, each half its own plan:
 # B=16 64k 127.5-130.6 vs 105.9-106.8 us, 128k 197.2-197.8 vs 173.8-175.2, B=32 212.9-213.8 vs 195.0-197.1, B=8
 # 88.4-88.5 vs 66.6-67.1; planned as the whole batch, slower still.)
+# Under the early trigger (GDC 2, up to EARLY_TRIGGER_ROWS) the merge also merges and stores the compressed branch
+# (and its share of the gate mix) before its wait, so that after it only the window's and selection's few partials
+# remain. H100, paper config, graph-replayed, read flush, one workspace, eight rounds alternating, us, outputs
+# bit-identical, with vs without: 64k B=1 26.5-27.5 vs 28.7-29.7, B=2 33.1-33.4 vs 35.0-35.2, B=4 43.6-44.2 vs
+# 45.2-45.8; 128k B=1 34.5-34.8 vs 36.6-36.8; 16k B=1 23.1-23.4 vs 23.9-24.2. Under the late trigger (GDC 3) it was
+# the same or slower (B=16 64k 104.3-104.8 vs 104.0-104.7, 128k 174.3-175.3 vs 173.9-174.5): the merge is launched
+# only as the window + selection programs end, so there is no time before its wait to fill; there it merges after.
 CMP_EARLY = True
 # The window programs of the window + selection launch start without waiting (``_partial_kernel``'s WIN_NOWAIT, the new
 # token read from its own buffer; where the step does the append: ``decode_attention``'s ``nowait``), and above
@@ -653,11 +660,18 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     # CMP_EARLY (only where the compressed launch is at least two back, the gate from before the step):
     # the compressed partials are read before the wait (``_grid_dependency``), so that under the early
     # trigger (small B) these, the most of the merge's loads, overlap the window + selection launch
+    mix = tl.zeros([BH, BDV_S], tl.float32)
+    out, reads = OUT + dst, READS + bg
     if not CMP_EARLY:
         _grid_dependency(GDC)
     if DO_CMP:
         m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
+        if CMP_EARLY:
+            if GDC != 3:
+                # merged and stored before the wait as well (CMP_MERGE_EARLY): no launch of the step before this
+                # one reads what it writes
+                mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
     if CMP_EARLY:
         _grid_dependency(GDC)
     if DO_SEL:
@@ -668,10 +682,9 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
         m_w, l_w, a_w, n_w = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC,
                                          BH, BDV)
         g_w = _gate_col(GATE, row, 2, head_ok, HAS_GATE)
-    mix = tl.zeros([BH, BDV_S], tl.float32)
-    out, reads = OUT + dst, READS + bg
     if DO_CMP:
-        mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
+        if not CMP_EARLY or GDC == 3:
+            mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
     if DO_SEL:
         mix = _merge_store(m_s, l_s, a_s, n_s, 1, out, reads, plane, B * G, ok, first, g_s, mix, HAS_GATE)
     if DO_WIN:
