@@ -169,7 +169,7 @@ EARLY_TRIGGER_ROWS = 16
 # B=16 64k 127.5-130.6 vs 105.9-106.8 us, 128k 197.2-197.8 vs 173.8-175.2, B=32 212.9-213.8 vs 195.0-197.1, B=8
 # 88.4-88.5 vs 66.6-67.1; planned as the whole batch, slower still.)
 # Under the early trigger (GDC 2, up to EARLY_TRIGGER_ROWS) the merge also merges and stores the compressed branch
-# (and its share of the gate mix) before its wait, so that after it only the window's and selection's few partials
+# (and its share of the gate mix) before its wait (``_merge_kernel``'s CMP_MERGE_EARLY), so that after it only the window's and selection's few partials
 # remain. H100, paper config, graph-replayed, read flush, one workspace, eight rounds alternating, us, outputs
 # bit-identical, with vs without: 64k B=1 26.5-27.5 vs 28.7-29.7, B=2 33.1-33.4 vs 35.0-35.2, B=4 43.6-44.2 vs
 # 45.2-45.8; 128k B=1 34.5-34.8 vs 36.6-36.8; 16k B=1 23.1-23.4 vs 23.9-24.2. Under the late trigger (GDC 3) it was
@@ -641,7 +641,8 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
                   C_WIN: tl.constexpr, NC: tl.constexpr, CP_CMP: tl.constexpr, CP_WIN: tl.constexpr,
                   CP_SEL: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr,
-                  GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False):
+                  GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False,
+                  CMP_MERGE_EARLY: tl.constexpr = False):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
     b = bg // G
@@ -670,11 +671,9 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     if DO_CMP:
         m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
-        if CMP_EARLY:
-            if GDC != 3:
-                # merged and stored before the wait as well (CMP_MERGE_EARLY): no launch of the step before this
-                # one reads what it writes
-                mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
+        if CMP_MERGE_EARLY:
+            # merged and stored before the wait as well: no launch of the step before this one reads what it writes
+            mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
     if CMP_EARLY:
         _grid_dependency(GDC)
     if DO_SEL:
@@ -685,9 +684,8 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
         m_w, l_w, a_w, n_w = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC,
                                          BH, BDV)
         g_w = _gate_col(GATE, row, 2, head_ok, HAS_GATE)
-    if DO_CMP:
-        if not CMP_EARLY or GDC == 3:
-            mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
+    if DO_CMP and not CMP_MERGE_EARLY:
+        mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
     if DO_SEL:
         mix = _merge_store(m_s, l_s, a_s, n_s, 1, out, reads, plane, B * G, ok, first, g_s, mix, HAS_GATE)
     if DO_WIN:
@@ -915,8 +913,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
-        early = nowait and p.gdc == 3 and BG * (NBP // BJ) <= SCORES_EARLY_PROGRAMS
-        scores_pdl = dict(pdl, GDC=2 if early else p.gdc)       # SCORES_EARLY_PROGRAMS
+        scores_first = nowait and p.gdc == 3 and BG * (NBP // BJ) <= SCORES_EARLY_PROGRAMS
+        scores_pdl = dict(pdl, GDC=2 if scores_first else p.gdc)
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
@@ -930,13 +928,14 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
         _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
                                        WIN_NOWAIT=nowait, **common)
     BDV_S = min(p.BDV, p.merge_cols)
+    cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
                          ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS,
-                         CMP_EARLY=CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"}), **pdl)
+                         CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3, **pdl)
     for br in branches:
         dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}

@@ -68,7 +68,7 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
             "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
             "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}",
             "workspaces": (f"{_f(r['step_ws_min_ms'])}-{_f(r['step_ws_max_ms'])} ({int(r['workspaces'])})"
-                           if _f(r["workspaces"]) and r["workspaces"] > 0 else ""),   # none: a row without them
+                           if pd.notna(r["workspaces"]) and r["workspaces"] > 0 else ""),   # none: a row without them
             "eager": _f(r["eager_ms"]),
             "cmp": _f(r["cmp_ms"]), "sel": _f(r["sel_ms"]), "win": _f(r["win_ms"]),
             "dense SDPA": _f(r["dense_sdpa_ms"]), "dense flash-attn (same bytes)": _f(r["dense_flash_attn_ms"]),

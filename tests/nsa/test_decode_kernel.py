@@ -42,6 +42,22 @@ def tiles(request, monkeypatch):
     return request.param
 
 
+def _against_oracle_row(r, q, cache, t, dtype):
+    """Step result ``r`` for token t vs the oracle's row: the same blocks (the kernel selected from its own
+    compressed logits), each branch within the tolerance rule, reads == formula. Returns the fp32 oracle's
+    row and the low-precision one (None in fp32)."""
+    ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
+    assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
+    ref_lp = None if dtype == torch.float32 else \
+        reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
+    for br in ("cmp", "sel", "win"):
+        res = compare(r.out[br], ref[f"o_{br}"], None if ref_lp is None else ref_lp[f"o_{br}"], dtype=dtype)
+        assert res["ok"], (br, res)
+        want = CFG.expected_reads(t)[br]
+        assert (r.reads[br] == want).all(), (br, r.reads[br].tolist(), want)
+    return ref, ref_lp
+
+
 @pytest.mark.parametrize("t", POSITIONS)
 def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles):
     from kernels.decode import decode_attention
@@ -53,17 +69,7 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles):
         with routing.capture() as log:
             r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, gate=gate)
         assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
-        ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
-        # the kernel selected from its own compressed logits: it must pick the oracle's blocks
-        assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
-        ref_lp = None if dtype == torch.float32 else \
-            reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
-    for br in ("cmp", "sel", "win"):
-        lp = None if ref_lp is None else ref_lp[f"o_{br}"]
-        res = compare(r.out[br], ref[f"o_{br}"], lp, dtype=dtype)
-        assert res["ok"], (br, res)
-        want = CFG.expected_reads(t)[br]
-        assert (r.reads[br] == want).all(), (br, r.reads[br].tolist(), want)
+        ref, ref_lp = _against_oracle_row(r, q, cache, t, dtype)
     mixed = sum(gate[..., i:i + 1].float() * ref[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))
     mixed_lp = None if ref_lp is None else sum(gate[..., i:i + 1] * ref_lp[f"o_{br}"]
                                                for i, br in enumerate(("cmp", "sel", "win")))
@@ -157,14 +163,7 @@ def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer,
             r = DecodeStep(CFG, cache)(q, k_t, v_t, pos=pos)
         assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
         assert torch.equal(cache.k[:, t], k_t) and torch.equal(cache.v[:, t], v_t)
-        ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
-        assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
-        ref_lp = None if dtype == torch.float32 else \
-            reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
-    for br in ("cmp", "sel", "win"):
-        res = compare(r.out[br], ref[f"o_{br}"], None if ref_lp is None else ref_lp[f"o_{br}"], dtype=dtype)
-        assert res["ok"], (br, res)
-        assert (r.reads[br] == CFG.expected_reads(t)[br]).all(), (br, r.reads[br].tolist())
+        _against_oracle_row(r, q, cache, t, dtype)
 
 
 @pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],
