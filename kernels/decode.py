@@ -276,6 +276,16 @@ SCORES_EARLY_PROGRAMS = 1024
 # kernel); at B=16 a program's bandwidth is latency-bound, so every program that waits on a counter is bandwidth
 # lost: selection chunks of 2 tiles took 14.4 us, of 8 tiles 20.6, and grouping the rows left most programs
 # waiting while few read.
+# Measured and not taken: the partial programs asking L2 for the tiles PF ahead of the one they load (PTX
+# prefetch.global.L2 per 128-byte line, or cp.async.bulk.prefetch.L2 per row, predicated on the rows the step may
+# read), so that programs whose tile loop waits on memory keep more bytes in flight. H100, paper config,
+# graph-replayed, read flush, one workspace, three rounds rotating the order, us, outputs bit-identical; per line,
+# compressed launch PF 1 / 2 / 4: B=16 64k 107.1-107.8 / 118.3-118.4 / 129.6-130.0 vs 104.4-105.0, 128k
+# 178.4-178.8 / 206.5-207.4 / 224.1-224.6 vs 171.6-172.7, B=32 64k 202.5-203.0 / 231.9-232.8 / 249.5-249.8 vs
+# 197.2-197.4, B=1 and B=4 the same within 1 us (B=4 PF 4 42.7-43.3 vs 43.9-44.1); window + selection launch PF
+# 1 / 2 / 4: B=16 64k 105.5-105.6 / 108.1-108.4 / 110.2-110.7, 128k 171.7-172.5 / 175.2-175.6 / 177.1-177.4,
+# B=32 197.5-197.7 / 204.3-205.1 / 214.5-215.2, B=1 28.0-28.3 vs 26.7-26.8. Per row (bulk): slower still (B=16
+# 64k compressed PF 1 109.7-111.0, window + selection PF 1 113.3-113.7).
 
 
 @triton.jit
