@@ -286,6 +286,12 @@ SCORES_EARLY_PROGRAMS = 1024
 # 1 / 2 / 4: B=16 64k 105.5-105.6 / 108.1-108.4 / 110.2-110.7, 128k 171.7-172.5 / 175.2-175.6 / 177.1-177.4,
 # B=32 197.5-197.7 / 204.3-205.1 / 214.5-215.2, B=1 28.0-28.3 vs 26.7-26.8. Per row (bulk): slower still (B=16
 # 64k compressed PF 1 109.7-111.0, window + selection PF 1 113.3-113.7).
+# Measured and not taken: the window + selection tiles as 2 or 4 runs of keys with an online softmax each, in
+# batched products ([runs, h, keys]: meant to keep a run's rows and keys in one warp, so that the softmax's
+# reductions cross no warps), merged once a program. Triton 3.6 compiled it to more barriers, not fewer (76 bar.sync
+# vs 44), 255 registers, 48 KB of shared memory: H100, graph-replayed, read flush, one workspace, us, 2 / 4 runs vs
+# one: B=16 64k 196.7-197.3 / 208.5-210.5 vs 104.3, 128k 273.8-275.7 / 278.4-280.1 vs 172.1-173.4, B=1 64k
+# 46.0-46.4 vs 26.5-26.6.
 
 
 @triton.jit
