@@ -289,7 +289,7 @@ SCORES_EARLY_PROGRAMS = 1024
 # Measured and not taken: the window + selection tiles as 2 or 4 runs of keys with an online softmax each, in
 # batched products ([runs, h, keys]: meant to keep a run's rows and keys in one warp, so that the softmax's
 # reductions cross no warps), merged once a program. Triton 3.6 compiled it to more barriers, not fewer (76 bar.sync
-# vs 44), 255 registers, 48 KB of shared memory: H100, graph-replayed, read flush, one workspace, us, 2 / 4 runs vs
+# vs 36 in the PTX), 255 registers (164), 48 KB of shared memory (88): H100, graph-replayed, read flush, one workspace, us, 2 / 4 runs vs
 # one: B=16 64k 196.7-197.3 / 208.5-210.5 vs 104.3, 128k 273.8-275.7 / 278.4-280.1 vs 172.1-173.4, B=1 64k
 # 46.0-46.4 vs 26.5-26.6.
 
