@@ -292,6 +292,13 @@ SCORES_EARLY_PROGRAMS = 1024
 # vs 36 in the PTX), 255 registers (164), 48 KB of shared memory (88): H100, graph-replayed, read flush, one workspace, us, 2 / 4 runs vs
 # one: B=16 64k 196.7-197.3 / 208.5-210.5 vs 104.3, 128k 273.8-275.7 / 278.4-280.1 vs 172.1-173.4, B=1 64k
 # 46.0-46.4 vs 26.5-26.6.
+# Measured and not taken: each scoring program ranking its own 64 blocks (packed (score bits, 2^31 - 1 - j) keys, a
+# block's rank = how many of the program's keys exceed its own) and writing its 16 best as candidates; the top-n
+# ranking those candidates (256 at 64k, 512 at 128k) against each other in chunks, the forced blocks added, the set
+# sorted: the same blocks and outputs (bit-identical), but the ranking made the scoring programs slower (B=16 64k,
+# eager: 9.2 vs 4.3 us with one warp; with 4 warps, B=1, ptxas kept 32 registers and spilled 4282 bytes: 366 us).
+# H100, graph-replayed, read flush, one workspace, us: B=16 64k 107.1-108.4 vs 104.1-104.4, 16k 57.9-58.6 vs
+# 58.5-59.1, 128k 204.6-396.3 vs 171.6-172.5, B=32 64k 197.9-199.5 vs 196.4-196.8, B=1 64k 472.7-476.9 vs 26.5-26.7.
 
 
 @triton.jit
