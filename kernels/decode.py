@@ -299,6 +299,12 @@ SCORES_EARLY_PROGRAMS = 1024
 # eager: 9.2 vs 4.3 us with one warp; with 4 warps, B=1, ptxas kept 32 registers and spilled 4282 bytes: 366 us).
 # H100, graph-replayed, read flush, one workspace, us: B=16 64k 107.1-108.4 vs 104.1-104.4, 16k 57.9-58.6 vs
 # 58.5-59.1, 128k 204.6-396.3 vs 171.6-172.5, B=32 64k 197.9-199.5 vs 196.4-196.8, B=1 64k 472.7-476.9 vs 26.5-26.7.
+# Measured and not taken: the block sums kept in registers over a compressed program's tiles ([h, tiles, blocks a
+# tile], rescaled with the softmax's max like acc, the overhang into the next tile added there) and stored once a
+# program, relative to the max the partial stores (the per-tile stores cost the compressed launch ~4 us at B=16 64k:
+# see the record after SCORES_EARLY_PROGRAMS). The same blocks and outputs, but 255 registers with 76-114 bytes
+# spilled (198 without): H100, graph-replayed, read flush, one workspace, six rounds, us: B=4 64k 57.7-58.0 vs
+# 43.5-43.8, B=8 89.3-89.8 vs 63.2-63.8, B=32 323.5-324.9 vs 195.3-196.1, B=16 16k 78.4-78.7 vs 58.6-59.3.
 
 
 @triton.jit
