@@ -275,6 +275,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # that loads those three blocks once for all of them, then each token's other 13: 16.93-17.01 vs
     # 17.04-17.07 ms at 64k and 2.02 vs 1.94 at 8k with 2 tokens / 2 warps; 4 warps 21.8-22.4 ms at
     # 64k (4 tokens; 8 warps 37.6).
+    # At 8k alone, with synthetic block lists (forced blocks plus 13 random causal ones), 4 warps / 2 stages
+    # came out ahead of 2 / 2 (H100: 2.13 vs 2.22 ms; 16k 4.36 vs 4.12, 64k 17.9 vs 17.1), but not in the
+    # layer, whose scorer picks the blocks: forward at 8k 4.09-4.19 vs 3.99-4.11 ms (five rounds alternating;
+    # 16k 8.49-8.68 vs 8.50-8.73, 4k 2.53-2.54 vs 2.48-2.61) -- not taken.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
