@@ -305,6 +305,13 @@ SCORES_EARLY_PROGRAMS = 1024
 # see the record after SCORES_EARLY_PROGRAMS). The same blocks and outputs, but 255 registers with 76-114 bytes
 # spilled (198 without): H100, graph-replayed, read flush, one workspace, six rounds, us: B=4 64k 57.7-58.0 vs
 # 43.5-43.8, B=8 89.3-89.8 vs 63.2-63.8, B=32 323.5-324.9 vs 195.3-196.1, B=16 16k 78.4-78.7 vs 58.6-59.3.
+# Measured and not taken: the block sums without products (p as [h, blocks, l'/d tokens] summed over its last axis:
+# a token's own block; its overhang into the next block summed apart over the tokens whose span reaches it), both
+# stored per tile interleaved ([h, blocks, 2]: 2 KB a tile instead of 1.1) and added by the scorer: exact fp32 sums,
+# the same blocks. H100, graph-replayed, read flush, one workspace, six rounds, us: B=1 64k 26.1-26.5 vs 26.3-26.6,
+# 128k 34.1-34.2 vs 34.4-34.7, B=4 43.0-43.5 vs 43.7-44.0, B=8 63.2-63.5 vs 63.5-64.0, but B=16 64k 105.9-106.4 vs
+# 104.3-104.6, 128k 177.5-178.1 vs 173.5-174.0, B=32 201.8-202.6 vs 196.3-196.6: at large B the stores, not the
+# products, are what the sums cost.
 
 
 @triton.jit
