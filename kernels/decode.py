@@ -11,7 +11,8 @@ graph (the position is a device tensor; no shape depends on it):
    Each program keeps an online softmax over its tiles and writes an unnormalised partial (max,
    sum, acc). For selection it also writes, per tile of BNC compressed tokens and
    head, the softmax's p = exp2(s − running max) summed onto the selection blocks its tokens'
-   spans overlap, and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
+   spans overlap (p reshaped to [h, blocks, l'/d] and summed where the geometry allows, ``SUMS_BY_RESHAPE``;
+   else a product by a 0/1 overlap matrix), and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
    themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer). They
    are stored evict_last, so that the cache streaming through L2 does not evict them before they are
    scored (measured: the record after ``CMP_EARLY``).
@@ -122,6 +123,18 @@ TWO_BLOCK_TILES = (9, 16)
 # selection programs of 64 rows 109.3-114.1 us (1 stage; 2 stages 118.3-118.5), of 32 rows 109.6-109.8, compressed
 # programs of 64 rows 122.2-148.3, of 32 rows 144.5-145.1, vs 105.4-107.3; 128k 177.3-185.1 vs 174.3-174.9; B=1
 # 28.4-35.1 vs 28.5-28.7.
+# The compressed programs' block sums without products, where the geometry allows (``Plan.sums_by_reshape``: l'/d a
+# power of two dividing the tile, spans reaching at most the next block): p [h, tile tokens] seen as [h, blocks,
+# l'/d] and summed over its last axis gives each token's own block; the overhang of the tokens whose span runs into
+# the next block, summed the same way, is moved one block on (``tl.gather``), the last one into column TB: the same
+# [h, NBT] rows as the products by the 0/1 overlap matrix (two tf32 products of p's split, see the kernel), in plain
+# fp32 adds. H100, paper config, graph-replayed, read flush, one workspace, six rounds alternating, us, outputs
+# bit-identical, vs the products: B=16 64k 102.9-103.5 vs 104.4-105.1, 128k 169.0-169.8 vs 172.1-172.7, 16k
+# 58.1-58.4 vs 58.7-59.5; B=32 64k 192.5-192.8 vs 194.6-196.0; B=8 63.0-63.5 vs 63.6-64.4; B=4 43.6-43.8 vs 43.8-44.3;
+# B=1 64k 26.1-26.4 vs 26.5-26.8, 128k 34.0-34.3 vs 34.3-34.8. (The compressed kernel: 164 registers instead of
+# 198. The overhang stored beside the own sums instead, [h, blocks, 2] a tile, 2 KB rather than 1.1, and added by
+# the scorer: B=16 64k 105.9-106.4 us, B=32 201.8-202.6: at large B the stores, more than the products, cost.)
+SUMS_BY_RESHAPE = True
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 # compressed tokens per tile of the compressed partials. (128, half the tile loop's iterations and barriers per
 # byte, measured slower: H100, graph-replayed, read flush, B=16 64k 126.1-126.4 us with 1 stage (80 KB of shared
@@ -377,6 +390,22 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
 
 
 @triton.jit
+def _block_sums(p, BH: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, CMP_LEN: tl.constexpr,
+                CMP_STRIDE: tl.constexpr):
+    """A compressed tile's block sums by reshaping (``SUMS_BY_RESHAPE``): p [BH, TB · l'/d] (token i of the
+    tile starts in block i // (l'/d) of it) -> (sums [BH, TB] over blocks 0..TB-1 of the tile, [BH] the
+    overhang into block TB). A span reaches one block on at most (l <= l' + d)."""
+    R: tl.constexpr = BLOCK // CMP_STRIDE
+    p3 = tl.reshape(p, (BH, TB, R))
+    r = tl.arange(0, R)
+    own = tl.sum(p3, 2)
+    over = tl.sum(tl.where((r * CMP_STRIDE + CMP_LEN > BLOCK)[None, None, :], p3, 0.0), 2)   # into the next block
+    jb = tl.arange(0, TB)
+    prev = tl.gather(over, tl.broadcast_to(tl.maximum(jb - 1, 0)[None, :], (BH, TB)), 1)
+    return own + tl.where(jb[None, :] >= 1, prev, 0.0), tl.sum(tl.where(jb[None, :] == TB - 1, over, 0.0), 1)
+
+
+@triton.jit
 def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
                     sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
                     scale_log2, c_lo,
@@ -389,7 +418,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
                     STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
-                    WIN_NOWAIT: tl.constexpr = False):
+                    WIN_NOWAIT: tl.constexpr = False, SUM_RESHAPE: tl.constexpr = False):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     if WIN_NOWAIT:
@@ -424,7 +453,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     if c < C_CMP:
         # compressed token i is usable iff i·d + l − 1 <= t
         n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
-        if WRITE_SCORES:
+        if WRITE_SCORES and not SUM_RESHAPE:
             # token i's span [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. Tiles
             # start on block boundaries, so the overlap of a tile's BN tokens with the NBT_P blocks from
             # its first is the same for every tile: built once (per tile it cost ~10% of the loop's instructions)
@@ -443,14 +472,22 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                 # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1. The sums are of the
                 # softmax's own p, relative to the running max m_run at this tile.
                 tau = c * CMP_TILES + ti
-                # fp32-accurate sums (the scores decide the selection, which must be the oracle's) in two
+                at = (bg * NT + tau).to(tl.int64) * BH + rows
+            if WRITE_SCORES and SUM_RESHAPE:
+                bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
+                jb = tl.arange(0, TB)
+                tl.store(BSUM + at[:, None] * NBT + jb[None, :], bsum, eviction_policy="evict_last")
+                tl.store(BSUM + at * NBT + TB, bsum_next, eviction_policy="evict_last")
+                tl.store(BMAX + at, m_run, eviction_policy="evict_last")
+            elif WRITE_SCORES:
+                # other geometries: p by the 0/1 overlap matrix, fp32-accurate sums (the scores decide the
+                # selection, which must be the oracle's) in two
                 # tf32 products: p's top 11 significant bits (exact in tf32), then the rest. (tf32x3 makes
                 # a third, by over's low part: 0, over being 0/1. Three bf16 products of p's exact bf16
                 # split, sharing the first with p·v, measured no better on the H100: step B=16 64k 120.9-121.3
                 # vs 121.5-122.1 us, but B=1 128k 43.5 vs 42.1-42.2.)
                 p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
                 bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
-                at = (bg * NT + tau).to(tl.int64) * BH + rows
                 # rows of NBT floats back to back: a tile's sums are one contiguous run of whole sectors
                 tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
                          eviction_policy="evict_last")
@@ -837,6 +874,7 @@ class Plan:
     nbt: int                   # blocks a tile's tokens reach: tb plus the spans' overhang
     nbt_p: int                 # nbt padded to a power of two >= 16
     bpt: int                   # selection blocks per window/selection tile (BN = bpt · l'; ``TWO_BLOCK_TILES``)
+    sums_by_reshape: bool      # the compressed programs' block sums by reshaping p (``SUMS_BY_RESHAPE``)
     gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
@@ -866,11 +904,15 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     tb = BNC * cfg.cmp_stride // cfg.block_size
     nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
     BDA, BDB = head_dim_parts(cfg.d_k)
+    r = cfg.block_size // cfg.cmp_stride            # compressed tokens starting in one block
+    by_reshape = (SUMS_BY_RESHAPE and cfg.block_size % cfg.cmp_stride == 0 and r & (r - 1) == 0 and BNC == tb * r
+                  and nbt == tb + 1)
     return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, _gdc(device, B * G), *_launch_shape(B * G))
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
+                *_launch_shape(B * G))
 
 
 class Workspace:
@@ -945,7 +987,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     BG = B * p.G
     if want & {"cmp", "sel"}:
         _partial_kernel[(BG, p.C_CMP)](*args, 0, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
-                                      APPEND=fused, **common)
+                                      APPEND=fused, SUM_RESHAPE=p.sums_by_reshape, **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)

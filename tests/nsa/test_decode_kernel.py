@@ -42,6 +42,15 @@ def tiles(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["sums-reshaped", "sums-by-products"])
+def sums(request, monkeypatch):
+    """The compressed programs' block sums by reshaping p (``SUMS_BY_RESHAPE``, the paper geometry and this
+    one) or by products with the overlap matrix (every other geometry)."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "SUMS_BY_RESHAPE", request.param == "sums-reshaped")
+    return request.param
+
+
 def _against_oracle_row(r, q, cache, t, dtype):
     """Step result ``r`` for token t vs the oracle's row: the same blocks (the kernel selected from its own
     compressed logits), each branch within the tolerance rule, reads == formula. Returns the fp32 oracle's
@@ -146,7 +155,7 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
 
 
 @pytest.mark.parametrize("t", POSITIONS)
-def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer, tiles):
+def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer, tiles, sums):
     """DecodeStep given the new token's k/v (token t not yet in the cache, NaN there), as the bench
     and graph-captured decoding run it: the compressed launch appends the token, the step after it
     reads it; at every boundary position the oracle's blocks, outputs and reads, and the token
@@ -160,8 +169,10 @@ def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer,
         cache.k[:, t], cache.v[:, t] = float("nan"), float("nan")
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
         with routing.capture() as log:
-            r = DecodeStep(CFG, cache)(q, k_t, v_t, pos=pos)
+            step = DecodeStep(CFG, cache)
+            r = step(q, k_t, v_t, pos=pos)
         assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
+        assert step.plan.sums_by_reshape == (sums == "sums-reshaped")
         assert torch.equal(cache.k[:, t], k_t) and torch.equal(cache.v[:, t], v_t)
         _against_oracle_row(r, q, cache, t, dtype)
 
