@@ -133,7 +133,10 @@ TWO_BLOCK_TILES = (9, 16)
 # 58.1-58.4 vs 58.7-59.5; B=32 64k 192.5-192.8 vs 194.6-196.0; B=8 63.0-63.5 vs 63.6-64.4; B=4 43.6-43.8 vs 43.8-44.3;
 # B=1 64k 26.1-26.4 vs 26.5-26.8, 128k 34.0-34.3 vs 34.3-34.8. (The compressed kernel: 164 registers instead of
 # 198. The overhang stored beside the own sums instead, [h, blocks, 2] a tile, 2 KB rather than 1.1, and added by
-# the scorer: B=16 64k 105.9-106.4 us, B=32 201.8-202.6: at large B the stores, more than the products, cost.)
+# the scorer: B=16 64k 105.9-106.4 us, B=32 201.8-202.6: at large B the stores, more than the products, cost. And
+# the tile's max stored in its sums' row (rows of NBT + 1 floats, the overhang and the max as one [h, 2] store) rather
+# than apart: slower, eight rounds, B=16 64k 103.2-104.8 vs 102.5-102.9, 128k 170.3-171.3 vs 167.9-169.1, B=1
+# 26.4-26.8 vs 25.7-26.2, B=32 196.0-196.4 vs 194.5-195.0.)
 SUMS_BY_RESHAPE = True
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 # compressed tokens per tile of the compressed partials. (128, half the tile loop's iterations and barriers per
