@@ -315,6 +315,11 @@ SCORES_EARLY_PROGRAMS = 1024
 # eager: 9.2 vs 4.3 us with one warp; with 4 warps, B=1, ptxas kept 32 registers and spilled 4282 bytes: 366 us).
 # H100, graph-replayed, read flush, one workspace, us: B=16 64k 107.1-108.4 vs 104.1-104.4, 16k 57.9-58.6 vs
 # 58.5-59.1, 128k 204.6-396.3 vs 171.6-172.5, B=32 64k 197.9-199.5 vs 196.4-196.8, B=1 64k 472.7-476.9 vs 26.5-26.7.
+# Also not taken, the same shape with the candidates by passes instead of ranks: each scoring program taking its 16 best
+# by eight ``_best_two`` reductions, the top-n running its passes over those (256 at 64k) instead of over every block,
+# the set written, read back and sorted. Blocks and outputs bit-identical; H100, graph-replayed, read flush, one
+# workspace, six rounds, us: B=16 64k 104.4-104.7 vs 102.5-103.2, 128k 181.3-183.2 vs 168.7-169.6, B=1 64k 29.3-29.7
+# vs 26.1-26.5, B=4 46.5-46.9 vs 43.5-44.0, B=32 197.5-199.1 vs 194.8-195.6.
 # Measured and not taken: the block sums kept in registers over a compressed program's tiles ([h, tiles, blocks a
 # tile], rescaled with the softmax's max like acc, the overhang into the next tile added there) and stored once a
 # program, relative to the max the partial stores (the per-tile stores cost the compressed launch ~4 us at B=16 64k:
