@@ -140,19 +140,9 @@ def _hangup_default() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def _slow_cpu_profile(tmp_path: Path) -> str:
-    """The cpu profile with a sanity suite whose cases take ~2 s each on a 2-core CPU (10 cases): a signal
-    sent once a case has finished must find the run still going. With the cpu profile's own sizes the
-    cases take ~0.2 s, and on a fast stack the whole suite had finished before the signal landed (exit
-    0 instead of 130: seen in CI with torch 2.14)."""
-    path = tmp_path / "slow.yaml"
-    path.write_text("name: slow\nextends: cpu\nsuites:\n  sanity: {batch: 4, seq_len: 2500, decode_from: 2460}\n")
-    return str(path)
-
-
 def _start(tmp_path: Path, *extra) -> subprocess.Popen:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", _slow_cpu_profile(tmp_path),
+    return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu",
                              "--out", str(tmp_path / "runs"), *extra], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_hangup_default if hasattr(signal, "SIGHUP") else None)
@@ -431,9 +421,8 @@ def test_an_ignored_sighup_stays_ignored(tmp_path):
 def test_a_dead_stderr_does_not_lose_the_interrupted_run(tmp_path):
     """`nsa-validate ... 2>&1 | tee log` and Ctrl-C kills tee too: stderr is a broken pipe."""
     env = dict(os.environ, NO_COLOR="1")
-    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile",
-                          _slow_cpu_profile(tmp_path), "--out", str(tmp_path / "runs")], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
+                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run = _wait_for(lambda: _run_dir(tmp_path))
     _wait_for(lambda: len(_records(run)) >= 1)
     p.stderr.close()                                     # the reader is gone
