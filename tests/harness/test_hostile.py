@@ -134,10 +134,13 @@ def test_missing_profile_source_is_refused(tmp_path):
 
 
 # -- 4, 5. signals and orphans (real processes) ---------------------------------------------
-def _hangup_default() -> None:
-    """The child takes SIGHUP as from a terminal, whatever this process inherited (under nohup it
-    would inherit SIG_IGN, which the run keeps on purpose: ``test_an_ignored_sighup_stays_ignored``)."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+def _signals_default() -> None:
+    """The child takes SIGINT, SIGTERM and SIGHUP as from a terminal, whatever this process inherited: an
+    ignored signal stays ignored in the run, on purpose (``test_an_ignored_sighup_stays_ignored``), and
+    ignored is what they are where these tests themselves run in the background (``make test &`` from a
+    script: POSIX shells start background commands with SIGINT ignored), or under nohup (SIGHUP)."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def _start(tmp_path: Path, *extra) -> subprocess.Popen:
@@ -145,7 +148,7 @@ def _start(tmp_path: Path, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu",
                              "--out", str(tmp_path / "runs"), *extra], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_hangup_default if hasattr(signal, "SIGHUP") else None)
+                            preexec_fn=_signals_default if hasattr(signal, "SIGHUP") else None)
 
 
 def _wait_for(pred, timeout=240.0, step=0.01):
@@ -422,7 +425,8 @@ def test_a_dead_stderr_does_not_lose_the_interrupted_run(tmp_path):
     """`nsa-validate ... 2>&1 | tee log` and Ctrl-C kills tee too: stderr is a broken pipe."""
     env = dict(os.environ, NO_COLOR="1")
     p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
-                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=_signals_default)
     run = _wait_for(lambda: _run_dir(tmp_path))
     _wait_for(lambda: len(_records(run)) >= 1)
     p.stderr.close()                                     # the reader is gone
