@@ -488,27 +488,25 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                                             DK, DV, BDA, BDB, PREC, WANT_V)
             if WRITE_SCORES:
                 # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1. The sums are of the
-                # softmax's own p, relative to the running max m_run at this tile.
-                tau = c * CMP_TILES + ti
-                at = (bg * NT + tau).to(tl.int64) * BH + rows
-            if WRITE_SCORES and SUM_RESHAPE:
-                bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
-                jb = tl.arange(0, TB)
-                tl.store(BSUM + at[:, None] * NBT + jb[None, :], bsum, eviction_policy="evict_last")
-                tl.store(BSUM + at * NBT + TB, bsum_next, eviction_policy="evict_last")
-                tl.store(BMAX + at, m_run, eviction_policy="evict_last")
-            elif WRITE_SCORES:
-                # other geometries: p by the 0/1 overlap matrix, fp32-accurate sums (the scores decide the
-                # selection, which must be the oracle's) in two
-                # tf32 products: p's top 11 significant bits (exact in tf32), then the rest. (tf32x3 makes
-                # a third, by over's low part: 0, over being 0/1. Three bf16 products of p's exact bf16
-                # split, sharing the first with p·v, measured no better on the H100: step B=16 64k 120.9-121.3
-                # vs 121.5-122.1 us, but B=1 128k 43.5 vs 42.1-42.2.)
-                p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-                bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
-                # rows of NBT floats back to back: a tile's sums are one contiguous run of whole sectors
-                tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
-                         eviction_policy="evict_last")
+                # softmax's own p, relative to the running max m_run at this tile; rows of NBT floats back
+                # to back: a tile's sums are one contiguous run of whole sectors
+                at = (bg * NT + c * CMP_TILES + ti).to(tl.int64) * BH + rows
+                if SUM_RESHAPE:
+                    bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
+                    jb = tl.arange(0, TB)
+                    tl.store(BSUM + at[:, None] * NBT + jb[None, :], bsum, eviction_policy="evict_last")
+                    tl.store(BSUM + at * NBT + TB, bsum_next, eviction_policy="evict_last")
+                else:
+                    # other geometries: p by the 0/1 overlap matrix, fp32-accurate sums (the scores decide the
+                    # selection, which must be the oracle's) in two tf32 products: p's top 11 significant bits
+                    # (exact in tf32), then the rest. (tf32x3 makes a third, by over's low part: 0, over being
+                    # 0/1. Three bf16 products of p's exact bf16 split, sharing the first with p·v, measured no
+                    # better on the H100: step B=16 64k 120.9-121.3 vs 121.5-122.1 us, but B=1 128k 43.5 vs
+                    # 42.1-42.2.)
+                    p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                    bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
+                    tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
+                             eviction_policy="evict_last")
                 tl.store(BMAX + at, m_run, eviction_policy="evict_last")
             cnt += valid.to(tl.int32)
     elif c < C_CMP + C_WIN:
