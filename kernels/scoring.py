@@ -216,6 +216,17 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     [rows, BCS]: H100, d_k 128, do_bench, ms, best setting (64 rows, BB 16, 4 warps, 2 stages, keys
     through descriptors) 0.443 / 1.24 / 12.3 at 8k / 16k / 64k vs 0.295 / 0.77 / 7.7-7.9 (128 rows
     0.53 / 1.51 / 15.2; 8 warps 0.50 / 1.40 / 14.0; BB 32 1.10 / 3.17 / 32.0); d_k 192 17.0 vs 11.1-11.5.
+    Later, that layout with the heads summed first, by a reshape of p to [BT, h, BCS] (a token's heads are rows of
+    one warp: register adds and shuffles, no layout conversion in Triton's IR), and the block sums by another ([BT,
+    BB, l'/d], the overhang moved by ``tl.gather``, as the decode step's), no product: H100, bf16, d_k 128,
+    do_bench, three rounds, ms, 128 rows / BB 16 / 4 warps / 2 stages (the best of 128 or 256 rows, BB 16 or 32, 4
+    or 8 warps, 2 or 3 stages, pointer or descriptor keys) 0.276-0.282 / 0.825-0.830 / 9.37-9.47 at 8k / 16k / 64k
+    vs 0.290-0.309 / 0.771-0.780 / 7.37-7.82; on random inputs ~1% of the rows chose other blocks than this kernel
+    (near-ties; the `triton` suite's selection cases passed with it under the interpreter). At 64k with parts of it
+    cut out (outputs then meaningless): without the running top list 6.8-7.3 ms, also without the block sums
+    5.6-6.3, also without the head sum 5.0-5.3: the products and exp2 are cheaper than here, but with 8 tokens a
+    program the per-token work after them (a list insert loop whose every pass is a CTA-wide reduction) costs more
+    than it saves.
     And the head loop of a chunk (H100, do_bench, three rounds, 64k d_k 128 / 8k / 64k d_k 192, ms, vs 7.45-8.00 /
     0.297-0.298 / 11.1-11.5): unrolled by 2 (``loop_unroll_factor``) 8.0-8.5 / 0.296-0.298 / 15.4-15.5; fully unrolled
     (``static_range``) 12.4 / 0.50 / 20.3; its own 2 stages 8.25-8.35 / 0.306-0.307 / 11.9; 1 stage 9.7 / 0.35 / 15.6;
