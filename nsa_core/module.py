@@ -57,25 +57,53 @@ class Compressor(nn.Module):
         N = cfg.n_cmp_total(S)
         if N == 0:
             return kv.new_zeros(B, 0, G, dd)
+        if cfg.compress == "mlp" and cfg.cmp_len % cfg.cmp_stride == 0:
+            # spans made of whole strides (the paper's l = 2d): fc1 over the strides, not the spans
+            blocks = kv[:, :(N - 1 + cfg.cmp_len // cfg.cmp_stride) * cfg.cmp_stride]
+            if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
+                # fc1's input (the strides, one copy of kv) is recomputed in the backward rather than
+                # kept through it: 0.17 GiB at 64k, d_k 192 / d_v 128, where the layer peaks
+                return checkpoint(self._mlp_strides, blocks, N, use_reentrant=False)
+            return self._mlp_strides(blocks, N)
         spans = kv[:, :(N - 1) * cfg.cmp_stride + cfg.cmp_len].unfold(1, cfg.cmp_len, cfg.cmp_stride)
         spans = spans.permute(0, 1, 2, 4, 3)                                    # [B, N, G, l, dd]
         if cfg.compress == "mean":
             return spans.mean(dim=3)
         if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
             # The MLP's input [B, N, G, l·dd] is l/d = 2x the size of kv; recomputing it in the
-            # backward (one extra φ forward) keeps it from living through the whole backward:
-            # 0.34 GiB at 64k, d_k 192 / d_v 128, where the layer peaks. Not below: the recompute
-            # costs ~1 ms of host time, which a short, launch-bound backward would feel.
+            # backward (one extra φ forward) keeps it from living through the whole backward
             return checkpoint(self._mlp, spans, use_reentrant=False)
         return self._mlp(spans)
 
+    def _fc1_bias(self) -> torch.Tensor:
+        # fc1(flatten(span + pe)) = W1·flatten(span) + (W1·flatten(pe) + b1): the position embedding
+        # folds into fc1's bias, so no pass adds it to the spans, and its gradient is a reduction of
+        # fc1's, not of the spans'
+        return torch.addmv(self.fc1.bias, self.fc1.weight, self.pe.reshape(-1))
+
     def _mlp(self, spans: torch.Tensor) -> torch.Tensor:
         B, N, G, l, dd = spans.shape
-        # fc1(flatten(span + pe)) = W1·flatten(span) + (W1·flatten(pe) + b1): the position embedding
-        # folds into fc1's bias, so the spans reach the GEMM in one gather pass (not an add, then a
-        # copy to make the sum contiguous), and its gradient is a reduction of fc1's, not of the spans'
-        bias = torch.addmv(self.fc1.bias, self.fc1.weight, self.pe.reshape(-1))
-        return self.fc2(F.silu(F.linear(spans.reshape(B, N, G, l * dd), self.fc1.weight, bias)))
+        return self.fc2(F.silu(F.linear(spans.reshape(B, N, G, l * dd), self.fc1.weight, self._fc1_bias())))
+
+    def _mlp_strides(self, kv: torch.Tensor, N: int) -> torch.Tensor:
+        """φ's MLP where a span is R = l/d whole strides: kv [B, M·d, G, dd] (M = N + R − 1 strides of d
+        tokens) -> [B, N, G, dd]. fc1's weight is R column blocks W1_r, one per stride of a span
+        (flatten(span) is its strides' flattenings in order), so fc1(span_i) = Σ_r W1_r·flatten(stride_{i+r}):
+        one GEMM of every stride by all R blocks at once, then R shifted adds of its [B, M, G, R, hidden]
+        output. The strides are one copy of kv ([B, M, G, d·dd]: a transposed view made contiguous),
+        where the spans were two (each token is in R spans) gathered by a strided copy, and in the
+        backward no overlapping spans are folded back into kv."""
+        cfg = self.cfg
+        B, S, G, dd = kv.shape
+        d, R = cfg.cmp_stride, cfg.cmp_len // cfg.cmp_stride
+        M, hidden = S // d, self.fc1.out_features
+        strides = kv.reshape(B, M, d, G, dd).transpose(2, 3).reshape(B, M, G, d * dd)
+        w = self.fc1.weight.view(hidden, R, d * dd).transpose(0, 1).reshape(R * hidden, d * dd)
+        y = F.linear(strides, w).view(B, M, G, R, hidden)
+        h = self._fc1_bias() + y[:, :N, :, 0]
+        for r in range(1, R):
+            h = h + y[:, r:r + N, :, r]
+        return self.fc2(F.silu(h))
 
 
 class Gate(nn.Module):
