@@ -274,7 +274,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # 4.29-4.34 and 30.0-30.1 vs 33.8-33.9 (d 128). A forward program of 2 or 4 consecutive tokens
     # that loads those three blocks once for all of them, then each token's other 13: 16.93-17.01 vs
     # 17.04-17.07 ms at 64k and 2.02 vs 1.94 at 8k with 2 tokens / 2 warps; 4 warps 21.8-22.4 ms at
-    # 64k (4 tokens; 8 warps 37.6).
+    # 64k (4 tokens; 8 warps 37.6). And the K/V loads through L1 (``cache_modifier=".ca"``), so that the
+    # blocks neighbours on an SM share could hit there: Triton 3.6 pipelines them as cp.async.cg all the same
+    # (the PTX has no .ca copy; H100, layer's block lists, 1.939-1.962 vs 1.941-1.959 ms at 8k, 16.9-17.4 at
+    # 64k both), and unpipelined (1 stage, ld.global.ca) they took 2.77 / 22.6-22.7 ms.
     # At 8k alone, with synthetic block lists (forced blocks plus 13 random causal ones), 4 warps / 2 stages
     # came out ahead of 2 / 2 (H100: 2.13 vs 2.22 ms; 16k 4.36 vs 4.12, 64k 17.9 vs 17.1), but not in the
     # layer, whose scorer picks the blocks: forward at 8k 4.09-4.19 vs 3.99-4.11 ms (five rounds alternating;
