@@ -70,7 +70,8 @@ def test_expectations_per_device_name():
     assert key == "H200" and h200.peak_bandwidth_gbs == 4800
     own = p.expect_by_device["H200"].decode_roofline_min                 # its own bar (measured on an H200)
     assert h200.decode_roofline_min == own and own < p.expect.decode_roofline_min
-    assert h200.decode_speedup_min == p.expect.decode_speedup_min        # not overridden: the family's
+    assert p.expect_by_device["H200"].decode_dram_ratio_max is None      # not overridden: the family's
+    assert h200.decode_dram_ratio_max == p.expect.decode_dram_ratio_max is not None
     h100, key = p.expectations("NVIDIA H100 80GB HBM3")
     assert key is None and h100 is p.expect and h100.peak_bandwidth_gbs == 3350
     assert p.expectations(None) == (p.expect, None)
