@@ -25,9 +25,10 @@ from nsa_core.routing import BRANCHES, RoutingPolicy
 
 
 RECOMPUTE_PHI_FROM = 2 ** 25
-"""Elements of φ's MLP input (B·N·G·l·dd) from which the training forward recomputes it in the
+"""Elements of φ's spans (B·N·G·l·dd) from which the training forward recomputes the MLP's input in the
 backward instead of keeping it (with the paper's l=32, d=16 and G=4: from 64k tokens at d 128,
-6.7e7; 32k tokens have 3.35e7, just under)."""
+6.7e7; 32k tokens have 3.35e7, just under). Not below: the recompute costs ~1 ms of host time, which
+a short, launch-bound backward would feel."""
 
 
 @dataclass
@@ -59,12 +60,12 @@ class Compressor(nn.Module):
             return kv.new_zeros(B, 0, G, dd)
         if cfg.compress == "mlp" and cfg.cmp_len % cfg.cmp_stride == 0:
             # spans made of whole strides (the paper's l = 2d): fc1 over the strides, not the spans
-            blocks = kv[:, :(N - 1 + cfg.cmp_len // cfg.cmp_stride) * cfg.cmp_stride]
+            covered = kv[:, :(N - 1 + cfg.cmp_len // cfg.cmp_stride) * cfg.cmp_stride]
             if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
-                # fc1's input (the strides, one copy of kv) is recomputed in the backward rather than
-                # kept through it: 0.17 GiB at 64k, d_k 192 / d_v 128, where the layer peaks
-                return checkpoint(self._mlp_strides, blocks, N, use_reentrant=False)
-            return self._mlp_strides(blocks, N)
+                # fc1's input (the strides: a copy of kv, 0.16 GiB for k and v at 64k, d_k 192 / d_v 128,
+                # where the layer peaks) is recomputed in the backward rather than kept through it
+                return checkpoint(self._mlp_strides, covered, N, use_reentrant=False)
+            return self._mlp_strides(covered, N)
         spans = kv[:, :(N - 1) * cfg.cmp_stride + cfg.cmp_len].unfold(1, cfg.cmp_len, cfg.cmp_stride)
         spans = spans.permute(0, 1, 2, 4, 3)                                    # [B, N, G, l, dd]
         if cfg.compress == "mean":
