@@ -277,7 +277,11 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # 64k (4 tokens; 8 warps 37.6). And the K/V loads through L1 (``cache_modifier=".ca"``), so that the
     # blocks neighbours on an SM share could hit there: Triton 3.6 pipelines them as cp.async.cg all the same
     # (the PTX has no .ca copy; H100, layer's block lists, 1.939-1.962 vs 1.941-1.959 ms at 8k, 16.9-17.4 at
-    # 64k both), and unpipelined (1 stage, ld.global.ca) they took 2.77 / 22.6-22.7 ms.
+    # 64k both), and unpipelined (1 stage, ld.global.ca) they took 2.77 / 22.6-22.7 ms. The same session's sweep
+    # with the scorer's block lists (H100, do_bench, four rounds, ms at 8k / 16k / 64k): 2 warps / 2 stages
+    # 1.94-1.97 / 3.99-4.00 / 16.9-17.1; 4 / 2 2.02-2.03 / 4.11-4.18 / 17.3-17.5; 2 / 3 2.16-2.17 / 4.30-4.37 /
+    # 17.9-18.2; 2 / 1 2.78-2.81 / 5.57-5.61 / 22.7; 4 / 1 2.81-2.83 / 5.64-5.68 / 22.9-23.1; 1 / 2 2.70 / 5.73-5.76
+    # / 24.6.
     # At 8k alone, with synthetic block lists (forced blocks plus 13 random causal ones), 4 warps / 2 stages
     # came out ahead of 2 / 2 (H100: 2.13 vs 2.22 ms; 16k 4.36 vs 4.12, 64k 17.9 vs 17.1), but not in the
     # layer, whose scorer picks the blocks: forward at 8k 4.09-4.19 vs 3.99-4.11 ms (five rounds alternating;
