@@ -52,15 +52,6 @@ def head_dim_parts(d: int) -> tuple[int, int]:
 
 
 @triton.jit
-def tile_index(REV: tl.constexpr):
-    """This program's index along grid axis 0, counted from the end when REV (causal kernels: the last
-    query tiles see the most keys, so they go first and the short ones fill the grid's tail)."""
-    if REV:
-        return tl.num_programs(0) - 1 - tl.program_id(0)
-    return tl.program_id(0)
-
-
-@triton.jit
 def ranks_before(va, ja, vb, jb):
     """Selection order of (score va, block ja) against (vb, jb): True where a comes first, i.e. a
     higher score, or the same score and the lower block (ties to the lower index, the oracle's rule;

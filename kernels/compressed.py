@@ -507,7 +507,7 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     ``tl.range(flatten=True)`` or not) was slower at every setting tried: 64 rows / 2 per SM 0.52 /
     4.38-4.43 ms (3 stages 0.49 / 4.16-4.24; 128 rows / 8 warps 0.58 / 4.65) vs 0.45 / 3.57-3.63 at
     8k / 64k, without the mix; flattened or not, the same. The forward's and dq's query tiles walked last
-    first (the longest programs under the causal rule starting first, as the block scorer's do): H100, do_bench,
+    first (the longest programs under the causal rule starting first, as the block scorer's do: ``scoring._score_topn_kernel``): H100, do_bench,
     four rounds alternating, ms, forward 0.277 vs 0.266-0.525 at 8k, 9.998-10.566 vs 9.276-10.823 at 64k; the
     whole backward 0.986-0.987 vs 0.965-0.966 at 8k, 32.2-34.1 vs 33.1-36.3 at 64k: not taken."""
     BH = triton.next_power_of_2(h)

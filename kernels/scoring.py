@@ -36,14 +36,10 @@ import triton
 import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descriptors_usable, dot_dk, head_dim_parts,
-                            launch_fitting, pow2, precision, ranks_before, tile_index, usable)
+                            launch_fitting, pow2, precision, ranks_before, usable)
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
-# the last query tiles (the most causal blocks) first, so that the longest programs do not make the grid's tail.
-# H100, bf16, d 128, do_bench, four rounds alternating, ms: 0.280-0.280 vs 0.296-0.298 at 8k; 64k 7.75-8.16 vs
-# 7.60-8.15 (a noisy machine: the layer's forward took 48.7-51.4 ms in the same run, 45.4-45.9 in others)
-LONGEST_FIRST = True
 NO_BLOCK: tl.constexpr = tl.constexpr(-2)       # a non-causal candidate's score bits: below real ones and empty slots
 EMPTY_J: tl.constexpr = tl.constexpr(2 ** 30)   # empty slots' block numbers (+ slot): after every real block
 
@@ -134,10 +130,13 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
                        H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr,
                        BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
-                       PREC: tl.constexpr, TMA: tl.constexpr, REV: tl.constexpr = False):
+                       PREC: tl.constexpr, TMA: tl.constexpr):
     g = tl.program_id(1)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
-    t0 = tile_index(REV) * BT
+    # the last tiles (the most causal blocks) first, so that the longest programs do not make the grid's tail.
+    # H100, bf16, d 128, do_bench, four rounds alternating, ms: 0.280 vs 0.296-0.298 at 8k; 64k 7.75-8.16 vs
+    # 7.60-8.15 (a noisy machine: the layer's forward took 48.7-51.4 ms in the same run, 45.4-45.9 in others)
+    t0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BT
     if t0 < seq_len:
         tok = t0 + tl.arange(0, BT)                                   # the tile's tokens (rows of the scores)
         tok_ok = tok < seq_len
@@ -314,7 +313,7 @@ class _Launch(torch.autograd.Function):
                 out.stride(0), out.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
                 BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDA=BDA, BDB=BDB,
-                PREC=precision(q.dtype), TMA=use_tma, REV=LONGEST_FIRST, **lc)
+                PREC=precision(q.dtype), TMA=use_tma, **lc)
         launch_fitting("select", (q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected, tma),
                        usable(configs, tma), launch)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)

@@ -58,21 +58,20 @@ class Compressor(nn.Module):
         N = cfg.n_cmp_total(S)
         if N == 0:
             return kv.new_zeros(B, 0, G, dd)
+        # the MLP's input is recomputed in the backward rather than kept through it (``RECOMPUTE_PHI_FROM``)
+        recompute = torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM
         if cfg.compress == "mlp" and cfg.cmp_len % cfg.cmp_stride == 0:
-            # spans made of whole strides (the paper's l = 2d): fc1 over the strides, not the spans
+            # spans made of whole strides (the paper's l = 2d): fc1 over the strides (one copy of kv: 0.16 GiB
+            # for k and v at 64k, d_k 192 / d_v 128, where the layer peaks), not over the spans
             covered = kv[:, :(N - 1 + cfg.cmp_len // cfg.cmp_stride) * cfg.cmp_stride]
-            if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
-                # fc1's input (the strides: a copy of kv, 0.16 GiB for k and v at 64k, d_k 192 / d_v 128,
-                # where the layer peaks) is recomputed in the backward rather than kept through it
+            if recompute:
                 return checkpoint(self._mlp_strides, covered, N, use_reentrant=False)
             return self._mlp_strides(covered, N)
         spans = kv[:, :(N - 1) * cfg.cmp_stride + cfg.cmp_len].unfold(1, cfg.cmp_len, cfg.cmp_stride)
         spans = spans.permute(0, 1, 2, 4, 3)                                    # [B, N, G, l, dd]
         if cfg.compress == "mean":
             return spans.mean(dim=3)
-        if torch.is_grad_enabled() and B * N * G * cfg.cmp_len * dd >= RECOMPUTE_PHI_FROM:
-            # The MLP's input [B, N, G, l·dd] is l/d = 2x the size of kv; recomputing it in the
-            # backward (one extra φ forward) keeps it from living through the whole backward
+        if recompute:                   # the spans are l/d = 2x the size of kv
             return checkpoint(self._mlp, spans, use_reentrant=False)
         return self._mlp(spans)
 
