@@ -9,16 +9,27 @@ the mix's dO and the branch's gate column instead: the gate folds into each row'
 (``common.gated_lse``: g·P = exp2(s − (lse2 − log2 g)), so the kernels' loops are unchanged),
 the dq kernel writes the gate's gradient rowsum(dO ∘ O_b) beside delta, and the second and third
 branches add their dq, dk, dv to the first's in the kernels' own stores (fp32 sums, rounded once
-per branch). The forward is four launches (compressed, scoring + top-n, selection, window): the
-window kernel takes the gate and the other two outputs and writes the gated sum as well, so no
-pass of its own re-reads the three outputs. Where no gradient is wanted (inference) the window's
-own output is not even stored, and nothing is kept for a backward.
+per branch). The forward is five launches (compressed, scoring + top-n, selection, its dense
+prefix, window): the window kernel takes the gate and the other two outputs and writes the gated
+sum as well, so no pass of its own re-reads the three outputs. Where no gradient is wanted
+(inference) the window's own output is not even stored, and nothing is kept for a backward.
+
+The dense prefix: a query at a position t < n·l' has at most n causal blocks, so its selection is all
+of them (block 0 and the local two forced, the top-n of the rest: every one), and its selected-block
+attention is plain causal attention over tokens 0..t. Those rows run as tiles of consecutive queries
+sharing every key load (the compressed kernels with l = d = 1 and ``q_end`` = n·l', as the window
+runs on them) instead of one program per token loading its blocks; the selection kernels start at
+position n·l' (``first_row``). block_idx still lists their blocks. H100, bf16, H=64, G=4, d 128, the
+layer (do_bench, four rounds alternating with the prefix off), ms: forward 3.69-3.87 vs 3.90-3.99 at 8k,
+1.95 vs 2.32 (host-bound, noisy) at 2k, 8.15-8.51 vs 8.26-8.51 at 16k, 45.4-45.6 vs 45.2-46.1 at 64k;
+forward + backward unchanged (11.73-11.77 vs 11.71-12.04 at 8k; 133.0-134.2 vs 133.5-134.1 at 64k): the
+dense backward costs about what the selection's saves there.
 
 The window does not depend on the other branches, but running it on a second stream beside them
 gained nothing: the kernels before it fill the GPU, so it ran after them all the same (H100, bf16,
 H=64, G=4, d 128, inference, do_bench: chain of three 2.53 / 34.4 ms and window 0.44 / 3.65 ms at
 8k / 64k, both on two streams 2.94 / 38.0 ms; with the mix as a pass of its own after them 3.12 /
-39.2 ms vs these four launches' 3.00 / 38.5).
+39.2 ms vs the four launches before the dense prefix, 3.00 / 38.5).
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
@@ -45,6 +56,11 @@ class Shape:
     max_seqlen: int
 
 
+def _prefix(sh: Shape) -> int:
+    """n·l': the positions whose selection is every causal block (the dense prefix)."""
+    return sh.n_selected * sh.block_size
+
+
 def _forward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh: Shape, keep: bool):
     """(o, idx, and with ``keep`` what the backward reads: o_b and lse_b of every branch)."""
     # (no profiler range per stage: torch.profiler attributes no Triton kernel to one, so the
@@ -53,8 +69,11 @@ def _forward(g, q, k, v, k_cmp, v_cmp, cu, cu_cmp, sh: Shape, keep: bool):
                                                          scale=sh.scale, max_seqlen=sh.max_seqlen)
     idx = scoring.select_blocks(q, k_cmp, lse_cmp, sh.cmp_len, sh.cmp_stride, sh.block_size, sh.n_selected,
                                 cu, cu_cmp, scale=sh.scale, max_seqlen=sh.max_seqlen)
+    P = _prefix(sh)
     o_sel, lse_sel = selection.selection_attention_fwd(q, k, v, idx, sh.block_size, cu, scale=sh.scale,
-                                                       max_seqlen=sh.max_seqlen)
+                                                       max_seqlen=sh.max_seqlen, first_row=P)
+    compressed.compressed_attention_fwd(q, k, v, 1, 1, cu, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
+                                        out=o_sel, lse=lse_sel, q_end=P)
     o_win, lse_win, o = window.window_attention_fwd(q, k, v, sh.window, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
                                                     mix=(g, o_cmp, o_sel), keep_o=keep)
     return o, idx, ((o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win) if keep else None)
@@ -82,7 +101,10 @@ class _Branches(torch.autograd.Function):
             max_seqlen=sh.max_seqlen, gate=g_cmp, dgate=dg_cmp)
         _, dk, dv = selection.selection_attention_bwd(
             do, q, k, v, o_sel, lse_sel, idx, sh.block_size, cu, scale=sh.scale, max_seqlen=sh.max_seqlen,
-            dq=dq, gate=g_sel, dgate=dg_sel, accumulate=True)
+            dq=dq, gate=g_sel, dgate=dg_sel, accumulate=True, first_row=_prefix(sh))
+        compressed.compressed_attention_bwd(
+            do, q, k, v, o_sel, lse_sel, 1, 1, cu, cu, scale=sh.scale, max_seqlen=sh.max_seqlen, gate=g_sel,
+            dgate=dg_sel, dq=dq, dk=dk, dv=dv, accumulate=True, q_end=_prefix(sh))
         compressed.compressed_attention_bwd(
             do, q, k, v, o_win, lse_win, 1, 1, cu, cu, scale=sh.scale, max_seqlen=sh.max_seqlen, window=sh.window,
             gate=g_win, dgate=dg_win, dq=dq, dk=dk, dv=dv, accumulate=True)

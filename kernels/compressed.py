@@ -66,13 +66,14 @@ def _tile_rows(t0, seq_len, g, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.c
 
 
 @triton.jit
-def _program_tile(CU, CUC, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+def _program_tile(CU, CUC, q_end, H_PER_G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """A (token tile, KV head, sequence) program's rows: (g, the tile's first token t0 in its
-    sequence, the sequence's length, its first compressed token and compressed length, and per row
-    of the tile: position in the sequence, query head, valid, packed row t (int64)). The caller acts
-    only where t0 < the length."""
+    sequence, the query rows' end in it (the sequence's length, at most ``q_end``), its first
+    compressed token and compressed length, and per row of the tile: position in the sequence,
+    query head, valid, packed row t (int64)). The caller acts only where t0 < that end."""
     g = tl.program_id(1)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
+    seq_len = tl.minimum(seq_len, q_end)
     t0 = tl.program_id(0) * BT
     t_rel, head, ok = _tile_rows(t0, seq_len, g, H_PER_G, BT, BH)
     return g, t0, seq_len, cbos, n_seq, t_rel, head, ok, (bos + t_rel).to(tl.int64)
@@ -185,7 +186,7 @@ def _fwd_chunk(acc, m_i, l_i, qa, qb, c0, n_hi, cbos, g, t_rel, ok, KC, KCB, VC,
 
 @triton.jit
 def _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
-                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2, q_end,
                  CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                  BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
@@ -196,7 +197,7 @@ def _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
     sgt, sgh; OC, OS, OM with O's strides), in fp32 from the outputs as stored, rounded once --
     what ``kernels.mix`` computes, without its pass over the three outputs; KEEP_O=False: O
     itself is not stored (inference: nothing will read it)."""
-    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
+    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, q_end, H_PER_G, BT, BH)
     if t0 < seq_len:
         qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
         lo, a, b, n_hi = _chunk_bounds(t0, seq_len, n_seq, CMP_LEN, CMP_STRIDE, WINDOW, BT, BC)
@@ -233,27 +234,42 @@ def _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
 
 @triton.jit
 def _cmp_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
-                    sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2, q_end,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                     BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                     WITH_O: tl.constexpr, TMA: tl.constexpr):
     _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, LSE, O, O, O,
-                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, 0, 0, scale_log2,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, 0, 0, scale_log2, q_end,
+                 CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BC, BDA, BDB, BDV, PREC, WITH_O, TMA,
+                 False, True)
+
+
+@triton.jit
+def _prefix_fwd_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE,
+                       sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, scale_log2, q_end,
+                       CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                       BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                       WITH_O: tl.constexpr, TMA: tl.constexpr):
+    # _cmp_fwd_kernel under a name of its own, launched with q_end (the selection's dense prefix,
+    # kernels/branches.py): the suites tell from the kernels the GPU ran that the prefix ran
+    _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, LSE, O, O, O,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, 0, 0, scale_log2, q_end,
                  CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BC, BDA, BDB, BDV, PREC, WITH_O, TMA,
                  False, True)
 
 
 @triton.jit
 def _cmp_fwd_mix_kernel(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
-                        sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                        sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2, q_end,
                         CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                         DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                         BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
                         PREC: tl.constexpr, TMA: tl.constexpr, KEEP_O: tl.constexpr):
     # a kernel of its own name: the suites tell from the kernels the GPU ran that the mix ran here
     _fwd_program(Q, KC, KCB, VC, CU, CUC, O, LSE, GATE, OC, OS, OM,
-                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2,
+                 sqt, sqh, skt, skh, svt, svh, sot, soh, slt, slh, sgt, sgh, scale_log2, q_end,
                  CMP_LEN, CMP_STRIDE, WINDOW, H_PER_G, DK, DV, BT, BH, BC, BDA, BDB, BDV, PREC, True, TMA, True, KEEP_O)
 
 
@@ -281,12 +297,12 @@ def _dq_chunk(dqa, dqb, qa, qb, do, lse2, delta, c0, n_hi, cbos, g, t_rel, ok, K
 @triton.jit
 def _cmp_dq_kernel(Q, KC, KCB, VC, CU, CUC, O, DO, LSE, DELTA, DQ, GATE, DG, LSEG,
                    sqt, sqh, skt, skh, svt, svh, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh, sgt, sgh,
-                   scale, scale_log2,
+                   scale, scale_log2, q_end,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                    BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                    TMA: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr):
-    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, H_PER_G, BT, BH)
+    g, t0, seq_len, cbos, n_seq, t_rel, head, ok, t = _program_tile(CU, CUC, q_end, H_PER_G, BT, BH)
     if t0 < seq_len:
         qa, qb = load_dk(Q + t * sqt + head * sqh, ok, DK, BDA, BDB)
         do = load_2d(DO, t * sdot + head * sdoh, ok, DV, BDV)
@@ -346,7 +362,7 @@ def _dkdv_tile(dka, dkb, dv, ka, kb, v, i, inb, t0, hi, bos, g, Q, DO, LSE, DELT
 
 @triton.jit
 def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
-                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, scale_log2, NCH,
+                     sqt, sqh, skt, skh, svt, svh, sdot, sdoh, slt, slh, scale_log2, NCH, q_end,
                      CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr, H_PER_G: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                      BC: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
@@ -367,6 +383,7 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
     g = tl.program_id(1)
     b = tl.program_id(2)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, b)
+    seq_len = tl.minimum(seq_len, q_end)              # queries from q_end on are not this call's
     i0 = c * BC
     offs_c = tl.arange(0, BC)
     dka = tl.zeros([BC, BDA], tl.float32)
@@ -447,6 +464,7 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 
 
 # -- launchers -----------------------------------------------------------------------------
+Q_END_NONE = 2 ** 31 - 1        # q_end not given: every query
 # compressed tokens per program of the dk/dv reduce where a chunk has several splits (the window's one
 # split keeps a program per chunk). H100, bf16, whole compressed backward (do_bench, ms), a program per
 # chunk of 128 vs 8 / 16 / 32 rows: d=128 8k 1.09 vs 0.95 / 0.97 / 0.96, 16k 2.65 vs 2.34 / 2.37 / 2.34,
@@ -579,9 +597,11 @@ def _grid_sizes(cu, cmp_len, cmp_stride, max_seqlen):
 
 def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
                              scale=None, max_seqlen: int | None = None, out=None, lse=None, with_o: bool = True,
-                             window: int = 0, mix=None, keep_o: bool = True):
+                             window: int = 0, mix=None, keep_o: bool = True, q_end: int | None = None):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
-    (e.g. NaN-poisoned buffers in tests); every row of both is written. ``with_o=False``: the
+    (e.g. NaN-poisoned buffers in tests); every row of both is written, except with ``q_end``: then
+    only the queries at positions < q_end of each sequence are computed (the rows past it are
+    neither read nor written). ``with_o=False``: the
     log-sum-exp alone (o is None; v_cmp is not read). ``window`` > 0: a query sees only the keys
     that ended within its last ``window`` positions (the sliding-window branch: ``kernels.window``).
 
@@ -594,6 +614,9 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     dv = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
     max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    name = "win" if window else "cmp" if q_end is None else "prefix"
+    q_end = Q_END_NONE if q_end is None else q_end
+    max_seqlen = min(max_seqlen, q_end)
     if mix is not None:
         g, o_a, o_b = mix
         if not with_o or g.shape != (T, H, 3) or o_a.shape != (T, H, dv) or o_b.shape != (T, H, dv):
@@ -612,7 +635,6 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
         BDK, BDV = pow2(dk), pow2(dv)
         o_arg = out if with_o else lse                   # not touched without WITH_O
         tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
-        name = "win" if window else "cmp"
 
         BDA, BDB = head_dim_parts(dk)                   # d_k as two power-of-two parts (192: 128 + 64)
 
@@ -627,16 +649,16 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
             common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=dk, DV=dv, BT=BT,
                           BH=triton.next_power_of_2(h), BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), TMA=use_tma)
             if mix is None:
-                _cmp_fwd_kernel[grid](
+                (_cmp_fwd_kernel if name != "prefix" else _prefix_fwd_kernel)[grid](
                     q, kc, kcb, vc, cu_seqlens, cu_cmp, o_arg, lse,
                     q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-                    o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
+                    o_arg.stride(0), o_arg.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, q_end,
                     WITH_O=with_o, **common, **lc)
             else:                 # o, o_a, o_b and the sum: contiguous [T, H, d_v], one set of strides
                 _cmp_fwd_mix_kernel[grid](
                     q, kc, kcb, vc, cu_seqlens, cu_cmp, out if keep_o else o_mix, lse, g, o_a, o_b, o_mix,
                     q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-                    H * dv, dv, lse.stride(0), lse.stride(1), 3 * H, 3, scale * LOG2E,
+                    H * dv, dv, lse.stride(0), lse.stride(1), 3 * H, 3, scale * LOG2E, q_end,
                     KEEP_O=keep_o, **common, **lc)
         launch_fitting(f"{name}_fwd" + ("+mix" if mix is not None else ""),
                        (q.device, q.dtype, h, dk, dv, with_o, tma, keep_o),
@@ -672,7 +694,7 @@ def _dkdv_splits(most: int, split_len: int, max_seqlen: int, chunks: int, n_sm: 
 
 def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stride: int, cu_seqlens, cu_cmp, *,
                              scale=None, max_seqlen: int | None = None, window: int = 0, gate=None, dgate=None,
-                             dq=None, dk=None, dv=None, accumulate: bool = False):
+                             dq=None, dk=None, dv=None, accumulate: bool = False, q_end: int | None = None):
     """Backward launcher: returns (dq [T, H, d_k], dk_cmp [N, G, d_k], dv_cmp [N, G, d_v]) in q's
     dtype; every row is written (zero where no query reached a compressed token). ``window``: as
     the forward's.
@@ -682,15 +704,29 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     row's lse: ``common.gated_lse``), and ``dgate`` [T, H] (the same strides) receives
     rowsum(do ∘ o); ``dq``/``dk``/``dv`` may be given, and with ``accumulate`` the gradients are
     added to what the given ones hold (dq alone, or dk and dv together; buffers not given are
-    written afresh)."""
+    written afresh).
+
+    ``q_end``: only the queries at positions < q_end of each sequence contribute (the forward's
+    ``q_end``); dq rows past it are left as they are where dq accumulates, else zero."""
     G, h = _check(q, k_cmp, v_cmp, cu_seqlens, cu_cmp)
     T, H, d_k = q.shape
     d_v = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
-    max_seqlen, max_cmp = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
+    name = "win" if window else "cmp" if q_end is None else "prefix"
+    q_end = Q_END_NONE if q_end is None else q_end
+    # the queries (and so the compressed tokens they see) up to q_end
+    max_seqlen, max_cmp = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, min(max_seqlen, q_end))
     do, lse = do.contiguous(), lse.contiguous()
     acc_q, acc_kv = accumulate and dq is not None, accumulate and dk is not None and dv is not None
     dq = torch.empty_like(q) if dq is None else dq
+    if q_end < Q_END_NONE:
+        if not acc_q:
+            dq.zero_()                  # the rows past q_end
+        if not acc_kv:                  # the compressed tokens no query before q_end sees
+            for x in (dk, dv):
+                if x is not None:
+                    x.zero_()
     # compressed tokens of no sequence (none in a packed batch) stay 0
     dk = torch.zeros_like(k_cmp) if dk is None else dk
     dv = torch.zeros_like(v_cmp) if dv is None else dv
@@ -703,7 +739,6 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     common = dict(CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, WINDOW=window, H_PER_G=h, DK=d_k, DV=d_v, BH=BH,
                   BDV=BDV, PREC=prec)
     BDA, BDB = head_dim_parts(d_k)                       # d_k as two power-of-two parts (192: 128 + 64)
-    name = "win" if window else "cmp"
     tma = max(BDK, BDV) <= 256 and descriptors_usable(k_cmp, v_cmp)      # blocks: at most 256 a side
     spec = (q.device, q.dtype, h, d_k, d_v, tma)
 
@@ -717,7 +752,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
             q, kc, kcb, vc, cu_seqlens, cu_cmp, o, do, lse, delta, dq, GATE, DG, lse_g,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
             o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), lse.stride(1),
-            dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E, BT=BT, BDA=BDA, BDB=BDB,
+            dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E, q_end, BT=BT, BDA=BDA, BDB=BDB,
             TMA=use_tma, GATED=gate is not None, ACC=acc_q, **common, **lc)
     launch_fitting(f"{name}_dq", spec, usable(launch_configs("dq", h, BDK, BDV, q.element_size()), tma), launch_dq)
 
@@ -730,7 +765,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
         _cmp_dkdv_kernel[(NCH * nsplit, G, B)](
             q, k_cmp, v_cmp, cu_seqlens, cu_cmp, do, lse_g, delta, part_k, part_v,
             q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), v_cmp.stride(0), v_cmp.stride(1),
-            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, NCH,
+            do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E, NCH, q_end,
             BT=BT, BC=BC, BDA=BDA, BDB=BDB, NSPLIT=nsplit, **common, **lc)
         BR = BC if nsplit == 1 else min(BC, REDUCE_ROWS)
         _cmp_dkdv_reduce_kernel[(NCH * (BC // BR), G, B)](

@@ -40,11 +40,12 @@ from nsa_core import dispatch
 
 # -- kernels -------------------------------------------------------------------------------
 @triton.jit
-def _program_token(CU, H_PER_G: tl.constexpr, BH: tl.constexpr):
+def _program_token(CU, t_from, H_PER_G: tl.constexpr, BH: tl.constexpr):
     """A (token, KV head, sequence) program's query token and heads: (t_rel in its sequence, the
     sequence's length, t the packed row (int64), the sequence's first row, g, the group's query
-    heads [BH], which of them exist [BH]). The caller acts only where t_rel < the length."""
-    t_rel = tl.program_id(0)
+    heads [BH], which of them exist [BH]). Program i takes position t_from + i. The caller acts
+    only where t_rel < the length."""
+    t_rel = t_from + tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
     bos = tl.load(CU + b)
@@ -83,12 +84,12 @@ def _load_selected_block(K, V, IDX_ROW, s_i, bos, t_rel, g, skt, skh, svt, svh,
 @triton.jit
 def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
                     sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, slt, slh,
-                    scale_log2,
+                    scale_log2, t_from,
                     H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
                     PREC: tl.constexpr):
-    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
+    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, t_from, H_PER_G, BH)
     if t_rel < seq_len:
         offs_dv = tl.arange(0, BDV)
         qa, qb = load_dk(Q + t * sqt + heads * sqh, row_ok, DK, BDA, BDB)
@@ -119,12 +120,12 @@ def _sel_fwd_kernel(Q, K, V, IDX, CU, O, LSE,
 @triton.jit
 def _sel_dq_kernel(Q, K, V, IDX, CU, O, DO, LSE, DELTA, DQ, GATE, DG, LSEG,
                    sqt, sqh, skt, skh, svt, svh, sit, sig, sot, soh, sdot, sdoh, slt, slh, sdqt, sdqh, sgt, sgh,
-                   scale, scale_log2,
+                   scale, scale_log2, t_from,
                    H_PER_G: tl.constexpr, N_SEL: tl.constexpr, BLOCK: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr,
                    BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr,
                    PREC: tl.constexpr, GATED: tl.constexpr, ACC: tl.constexpr):
-    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, H_PER_G, BH)
+    t_rel, seq_len, t, bos, g, heads, row_ok = _program_token(CU, t_from, H_PER_G, BH)
     if t_rel < seq_len:
         qa, qb = load_dk(Q + t * sqt + heads * sqh, row_ok, DK, BDA, BDB)
         do = _load_rows(DO, t, heads, row_ok, sdot, sdoh, DV, BDV)
@@ -326,9 +327,10 @@ def _check(q, k, v, block_idx, cu_seqlens, block_size) -> tuple[int, int]:
 
 
 def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None, *, scale=None,
-                            max_seqlen: int | None = None, out=None, lse=None):
+                            max_seqlen: int | None = None, out=None, lse=None, first_row: int = 0):
     """Forward launcher: returns (o [T, H, d_v], lse [T, H] fp32). ``out``/``lse`` may be given
-    (e.g. NaN-poisoned buffers in tests); every valid row of both is written."""
+    (e.g. NaN-poisoned buffers in tests); every valid row of both is written, except the rows at
+    positions < ``first_row`` of each sequence: those are neither read nor written (``dense_prefix``)."""
     cu, ms = cu_or_one(cu_seqlens, q.shape[0], q.device)
     G, h = _check(q, k, v, block_idx, cu, block_size)
     T, H, dk = q.shape
@@ -338,16 +340,16 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     out = torch.empty(T, H, dv, device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty(T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     B = cu.numel() - 1
-    if T and B and max_seqlen:
+    if T and B and max_seqlen > first_row:
         BDK, BDV = pow2(dk), pow2(dv)
         BDA, BDB = head_dim_parts(dk)
 
         def launch(lc):
-            _sel_fwd_kernel[(max_seqlen, G, B)](
+            _sel_fwd_kernel[(max_seqlen - first_row, G, B)](
                 q, k, v, block_idx, cu, out, lse,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 block_idx.stride(0), block_idx.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                scale * LOG2E,
+                scale * LOG2E, first_row,
                 H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=dk, DV=dv,
                 BH=pow2(h), BN=pow2(block_size), BDA=BDA, BDB=BDB, BDV=BDV, PREC=precision(q.dtype), **lc)
         launch_fitting("sel_fwd", (q.device, q.dtype, h, dk, dv, block_size), launch_configs("fwd", BDK, BDV),
@@ -374,7 +376,7 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
 SEGMENT = 1024
 
 
-def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT) -> dict:
+def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT, first_row: int = 0) -> dict:
     """Which queries selected each (KV head, selection block), cut into segments; no host sync
     (no boolean indexing, no bincount: each of those waits for the GPU, and the backward's launches
     stalled behind them: 1.7 ms of the selection backward's 6.0 at 8k on an H100).
@@ -388,6 +390,7 @@ def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT
       seg_bucket, seg_lo, seg_hi [NSEG]  per segment: its bucket (-1: unused) and qlist range
     NSEG = ⌈E/segment⌉ + G·NBU bounds the segment count, so the grid needs no sync. Everything is
     a pure function of block_idx, so the gradients summed over it are the same on every run.
+    Queries at positions < ``first_row`` of their sequence are left out.
     """
     T, G, n = block_idx.shape
     dev = block_idx.device
@@ -406,7 +409,10 @@ def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT
     seq = torch.searchsorted(cu_seqlens[1:], tok, right=True)                     # [T]
     bi = block_idx.long()
     key = torch.arange(G, device=dev)[None, :, None] * NBU + blk_off[seq][:, None, None] + bi
-    key = torch.where(bi >= 0, key, G * NBU).flatten()                             # sentinels: bucket G·NBU
+    listed = bi >= 0
+    if first_row:
+        listed &= (tok - cu_seqlens[seq] >= first_row)[:, None, None]
+    key = torch.where(listed, key, G * NBU).flatten()                             # sentinels: bucket G·NBU
     if G * NBU < 2 ** 31 - 1:
         key = key.to(torch.int32)          # a 32-bit radix sort is about twice as fast
     skey, order = torch.sort(key, stable=True)
@@ -432,10 +438,12 @@ def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT
 
 def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_seqlens=None, *,
                             scale=None, max_seqlen: int | None = None, dq=None, dk=None, dv=None,
-                            gate=None, dgate=None, accumulate: bool = False):
+                            gate=None, dgate=None, accumulate: bool = False, first_row: int = 0):
     """Backward launcher: returns (dq [T, H, d_k], dk [T, G, d_k], dv [T, G, d_v]) in q's dtype.
     Every row of the three is written (zero where no query reached a key). ``gate``/``dgate``
-    [T, H] and ``accumulate``: as ``compressed_attention_bwd``'s."""
+    [T, H] and ``accumulate``: as ``compressed_attention_bwd``'s. ``first_row``: the forward's; the
+    queries before it contribute nothing, and their dq rows are left as they are where dq
+    accumulates, else zero."""
     cu, ms = cu_or_one(cu_seqlens, q.shape[0], q.device)
     G, h = _check(q, k, v, block_idx, cu, block_size)
     T, H, d_k = q.shape
@@ -445,11 +453,15 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     do = do.contiguous()
     acc_q, acc_kv = accumulate and dq is not None, accumulate and dk is not None and dv is not None
     dq = torch.empty_like(q) if dq is None else dq
+    if first_row and not acc_q:
+        dq.zero_()                                                   # the rows before first_row
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     B = cu.numel() - 1
     if not (T and B and max_seqlen):
         return dq, dk, dv
+    if max_seqlen <= first_row:          # no query of this call: nothing launched
+        return dq, (dk if acc_kv else dk.zero_()), (dv if acc_kv else dv.zero_())
     lse = lse.contiguous()
     delta = torch.empty_like(lse)                                                  # written by _sel_dq_kernel
     GATE, DG, lse_g, sgt, sgh = gate_args(gate, dgate, lse)
@@ -458,15 +470,15 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
     spec = (q.device, q.dtype, h, d_k, d_v, block_size)
 
     def launch_dq(lc):
-        _sel_dq_kernel[(max_seqlen, G, B)](
+        _sel_dq_kernel[(max_seqlen - first_row, G, B)](
             q, k, v, block_idx, cu, o, do, lse, delta, dq, GATE, DG, lse_g,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             block_idx.stride(0), block_idx.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-            lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E,
+            lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), sgt, sgh, scale, scale * LOG2E, first_row,
             H_PER_G=h, N_SEL=block_idx.shape[2], BLOCK=block_size, DK=d_k, DV=d_v,
             BH=pow2(h), BN=BN, BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, GATED=gate is not None, ACC=acc_q, **lc)
     launch_fitting("sel_dq", spec, launch_configs("dq", BDK, BDV), launch_dq)
-    ri = reverse_index(block_idx, cu, block_size, SEGMENT)
+    ri = reverse_index(block_idx, cu, block_size, SEGMENT, first_row)
     NBU, NSEG = ri["n_blk_slots"], ri["seg_bucket"].numel()
     # fp32 partial sums of every segment; summed in segment order by the reduce kernel
     part_k = torch.empty(NSEG, BN, BDA + BDB, device=q.device, dtype=torch.float32)

@@ -19,7 +19,9 @@ from typing import Iterator
 
 # expected kernel families: name -> regex on the CUDA kernel's (demangled) name
 EXPECT = {
-    "triton:sel_fwd": r"^_sel_fwd_kernel\b",
+    # the selection branch's forward: per token from n·l' on, its dense prefix before (kernels/branches.py)
+    "triton:sel_fwd": r"^_(sel|prefix)_fwd_kernel\b",
+    "triton:prefix_fwd": r"^_prefix_fwd_kernel\b",
     "triton:sel_bwd": r"^_sel_(dq|dkdv|dkdv_reduce)_kernel\b",
     "triton:decode": r"^_(partial|scores|topn|merge)_kernel\b",
     "triton:cmp_fwd": r"^_cmp_fwd_kernel\b",
@@ -49,7 +51,7 @@ def family(phase: str, branch: str, backend: str) -> str | None:
         return {"sel_bwd": "triton:sel_bwd", "cmp": "triton:cmp_fwd", "cmp_fwd": "triton:cmp_fwd",
                 "cmp_bwd": "triton:cmp_bwd", "select": "triton:select",
                 "win": "triton:win_fwd", "win_fwd": "triton:win_fwd", "win_bwd": "triton:win_bwd",
-                "win_fwd+mix": "triton:win_mix",
+                "win_fwd+mix": "triton:win_mix", "prefix_fwd": "triton:prefix_fwd", "prefix_bwd": "triton:cmp_bwd",
                 "mix": "triton:mix", "mix_fwd": "triton:mix", "mix_bwd": "triton:mix"}.get(branch, "triton:sel_fwd")
     if backend.startswith("fa2:"):
         name = backend.split(":", 1)[1]

@@ -199,6 +199,46 @@ def test_varlen(dt, record):
     _check_varlen(record, dt, seed=7)
 
 
+@pytest.mark.parametrize("dt", CFG.dtypes)
+def test_dense_prefix(dt, record):
+    """The layer's split of the selection branch (kernels/branches.py): the rows at positions < n·l',
+    whose selection is every causal block, as dense causal attention (the compressed kernels with
+    l = d = 1 and q_end = n·l'), the rest by the selection kernels from first_row = n·l'. A varlen batch
+    with empty, 1-token, off-grid and past-the-prefix sequences; output buffers start NaN (every row
+    must be written by one of the two); o and the gradients vs the oracle over all rows."""
+    dtype, sel, G, L, n, h, dk, dv, lens, _ = _varlen_case(dt)
+    from kernels import compressed
+    P = n * L
+    lens = [*lens, P + 37, P - 1]
+    T = sum(lens)
+    q, k, v = _qkv(T, G, h, dk, dv, dtype, seed=11)
+    idx = _block_idx(lens, G, L, n, seed=11)
+    pos = torch.cat([torch.arange(S, device=DEV) for S in lens])
+    # the split's premise, on the oracle's blocks: below n·l' every causal block is selected
+    for t in (pos < P).nonzero().flatten().tolist():
+        for g in range(G):
+            assert set(idx[t, g].tolist()) - {-1} == set(range(int(pos[t]) // L + 1)), f"row {t}: {idx[t, g].tolist()}"
+    do = torch.randn(T, G * h, dv, device=DEV).to(dtype)
+    cu = cu_seqlens(lens, DEV)
+    out = torch.full((T, G * h, dv), float("nan"), device=DEV, dtype=dtype)
+    lse = torch.full((T, G * h), float("nan"), device=DEV)
+    with record.capture() as log:
+        sel.selection_attention_fwd(q, k, v, idx, L, cu, out=out, lse=lse, first_row=P)
+        compressed.compressed_attention_fwd(q, k, v, 1, 1, cu, cu, out=out, lse=lse, q_end=P)
+        dq, dk_, dv_ = sel.selection_attention_bwd(do, q, k, v, out, lse, idx, L, cu, first_row=P)
+        compressed.compressed_attention_bwd(do, q, k, v, out, lse, 1, 1, cu, cu, dq=dq, dk=dk_, dv=dv_,
+                                            accumulate=True, q_end=P)
+    for kernel in ("sel_fwd", "prefix_fwd", "sel_bwd", "prefix_bwd"):
+        record.expect_ran(log, "kernel", kernel, "triton")
+    o32, g32 = _oracle_grads(q, k, v, idx, lens, L, do, torch.float32)
+    olp, glp = _oracle_grads(q, k, v, idx, lens, L, do, dtype) if _lp(dtype) else (None, (None,) * 3)
+    record.check("o", out, o32, olp, dtype=dtype)
+    for name, got, r32, rlp in zip(("dq", "dk", "dv"), (dq, dk_, dv_), g32, glp):
+        record.check(name, got, r32, rlp, dtype=dtype, factor=3.0)
+    record.metrics.update(lens=lens, prefix=P)
+    record.assert_ok()
+
+
 @pytest.mark.parametrize("dk", [24, 48])
 @pytest.mark.parametrize("dt", CFG.dtypes)
 def test_split_head_dim(dt, dk, record):
@@ -795,7 +835,10 @@ def test_module_fwd_bwd(dt, S, path, record):
         grads = torch.autograd.grad(out, [x, *m.parameters()], dout, allow_unused=True)
     for stage in ("cmp", "sel", "mix", *(("select", "win") if fused else ())):
         record.expect_ran(log, "prefill", stage, "triton")
-    for kernel in ("cmp_bwd", "sel_bwd", *(("win_fwd+mix", "win_bwd") if fused else ("mix_bwd",))):
+    # the layer's one op runs the selection's rows before n·l' as a dense prefix, the rest per token
+    per_token = not fused or S > cfg.n_selected * cfg.block_size
+    for kernel in ("cmp_bwd", *(("sel_bwd",) if per_token else ()),
+                   *(("win_fwd+mix", "win_bwd", "prefix_fwd", "prefix_bwd") if fused else ("mix_bwd",))):
         record.expect_ran(log, "kernel", kernel, "triton")
     if fused:
         assert not log.ran("kernel", "mix_fwd", "triton"), "the fused forward ran a mix pass of its own"
@@ -858,7 +901,9 @@ def test_module_no_host_sync(dt, record):
             step()
         finally:
             torch.cuda.set_sync_debug_mode(before)
-    for kernel in ("cmp_fwd", "select", "sel_fwd", "win_fwd", "cmp_bwd", "sel_bwd", "win_bwd"):
+    # the selection's rows before n·l' run as a dense prefix, the rest per token (kernels/branches.py)
+    per_token = ("sel_fwd", "sel_bwd") if S > cfg.n_selected * cfg.block_size else ()
+    for kernel in ("cmp_fwd", "select", *per_token, "prefix_fwd", "prefix_bwd", "win_fwd", "cmp_bwd", "win_bwd"):
         record.expect_ran(log, "kernel", kernel, "triton")
     record.assert_ok()
 
