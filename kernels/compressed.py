@@ -465,6 +465,12 @@ def _cmp_dkdv_reduce_kernel(PART_K, PART_V, CUC, DKC, DVC, sdkt, sdkh, sdvt, sdv
 
 # -- launchers -----------------------------------------------------------------------------
 Q_END_NONE = 2 ** 31 - 1        # q_end not given: every query
+
+
+def _role(window: int, q_end: int | None) -> tuple[str, int]:
+    """(the name a launch goes by in the dispatch log and launch settings, the kernels' q_end): the
+    window branch, the selection's dense prefix (queries before ``q_end``) or compressed attention."""
+    return ("win" if window else "cmp" if q_end is None else "prefix"), (Q_END_NONE if q_end is None else q_end)
 # compressed tokens per program of the dk/dv reduce where a chunk has several splits (the window's one
 # split keeps a program per chunk). H100, bf16, whole compressed backward (do_bench, ms), a program per
 # chunk of 128 vs 8 / 16 / 32 rows: d=128 8k 1.09 vs 0.95 / 0.97 / 0.96, 16k 2.65 vs 2.34 / 2.37 / 2.34,
@@ -614,8 +620,7 @@ def compressed_attention_fwd(q, k_cmp, v_cmp, cmp_len: int, cmp_stride: int, cu_
     dv = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(dk)
     max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
-    name = "win" if window else "cmp" if q_end is None else "prefix"
-    q_end = Q_END_NONE if q_end is None else q_end
+    name, q_end = _role(window, q_end)
     max_seqlen = min(max_seqlen, q_end)
     if mix is not None:
         g, o_a, o_b = mix
@@ -713,8 +718,7 @@ def compressed_attention_bwd(do, q, k_cmp, v_cmp, o, lse, cmp_len: int, cmp_stri
     d_v = v_cmp.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(d_k)
     max_seqlen, _ = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, max_seqlen)
-    name = "win" if window else "cmp" if q_end is None else "prefix"
-    q_end = Q_END_NONE if q_end is None else q_end
+    name, q_end = _role(window, q_end)
     # the queries (and so the compressed tokens they see) up to q_end
     max_seqlen, max_cmp = _grid_sizes(cu_seqlens, cmp_len, cmp_stride, min(max_seqlen, q_end))
     do, lse = do.contiguous(), lse.contiguous()
