@@ -533,7 +533,13 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     8k / 64k, without the mix; flattened or not, the same. The forward's and dq's query tiles walked last
     first (the longest programs under the causal rule starting first, as the block scorer's do: ``scoring._score_topn_kernel``): H100, do_bench,
     four rounds alternating, ms, forward 0.277 vs 0.266-0.525 at 8k, 9.998-10.566 vs 9.276-10.823 at 64k; the
-    whole backward 0.986-0.987 vs 0.965-0.966 at 8k, 32.2-34.1 vs 33.1-36.3 at 64k: not taken."""
+    whole backward 0.986-0.987 vs 0.965-0.966 at 8k, 32.2-34.1 vs 33.1-36.3 at 64k: not taken. The key loops
+    warp-specialized (``tl.range(warp_specialize=True)``, Triton 3.6; H100, 64k, d 128, bf16, do_bench, three
+    rounds, ms): at the settings above Triton's NVGPUWarpSpecialization pass fails on the forward and dq kernels
+    (compressed and window); with 8 warps they compile and are slower: compressed forward 10.7-10.9 vs 9.1-10.3,
+    window forward 4.02-4.07 vs 3.47-3.73, whole compressed backward with dq specialized 46.0-49.6 vs 30.5-31.5
+    (window 15.3-15.7 vs 10.5-11.6); dk/dv specialized (4 or 8 warps) 30.8-35.2 vs 30.6-34.2 (window 10.7-11.7 vs
+    10.5-11.0): no gain."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)

@@ -287,6 +287,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # came out ahead of 2 / 2 (H100: 2.13 vs 2.22 ms; 16k 4.36 vs 4.12, 64k 17.9 vs 17.1), but not in the
     # layer, whose scorer picks the blocks: forward at 8k 4.09-4.19 vs 3.99-4.11 ms (five rounds alternating;
     # 16k 8.49-8.68 vs 8.50-8.73, 4k 2.53-2.54 vs 2.48-2.61) -- not taken.
+    # The block loops warp-specialized (``tl.range(warp_specialize=True)``, Triton 3.6; H100, 64k, d 128, the
+    # scorer's blocks, do_bench, three rounds, ms): fwd 17.1-17.5 vs 16.9-17.1 (8 warps 23.7); whole backward
+    # with dq specialized 33.0-36.2 vs 32.8-34.5 (8 warps 37.2-38.7); dk/dv: the NVGPUWarpSpecialization pass
+    # fails at 4 warps, 8 warps 43.1-45.9 vs 32.9-33.6 -- not taken.
     # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
     # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
     # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
