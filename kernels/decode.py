@@ -1070,3 +1070,26 @@ def append_token(k, v, k_new, v_new, pos, cfg: NSAConfig, gdc: int = 0) -> None:
     _append_kernel[(k_new.shape[0], G)](k, v, k_new.contiguous(), v_new.contiguous(), pos, k.stride(0), k.stride(1),
                                         k.stride(2), v.stride(0), v.stride(1), v.stride(2), G=G, DK=cfg.d_k,
                                         DV=cfg.d_v, GDC=gdc, launch_pdl=gdc > 0)
+
+
+@triton.jit
+def _empty_kernel(X, GDC: tl.constexpr):
+    """One launch of ``launch_floor``: waits on the launch before it as the step's kernels do, then
+    writes one value."""
+    _grid_dependency(GDC)
+    tl.store(X + tl.program_id(0), 0)
+
+
+def launch_floor(device, rows: int, launches: int = len(LAUNCHES)):
+    """A callable that launches ``launches`` kernels of one program doing nothing, chained as a
+    step over ``rows`` = B·G chains its own (programmatic dependent launch where the step has it).
+    Timed as the step is, it is a floor under any step of that many launches: the decode bench
+    reports it beside the step (``floor_ms``). H100, graph replays after the bench's read flush: one
+    launch 4.6-5.3 us, five 8.6-9.4 (10.9-12.1 without programmatic dependent launch)."""
+    gdc = 2 if _gdc(device, rows) else 0
+    x = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def run():
+        for _ in range(launches):
+            _empty_kernel[(1,)](x, GDC=gdc, launch_pdl=gdc > 0, num_warps=1)
+    return run

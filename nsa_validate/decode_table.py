@@ -22,6 +22,9 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "workspaces": "how many steps (workspaces) the range is over; 0 without a GPU",
     "eager_ms": "median of the same step launched eagerly from Python (CUDA events)",
     "graph_ms": "median of the graph-replayed step (empty without a GPU)",
+    "floor_ms": "as many launches as the step's, each one program doing nothing, chained as the step's are "
+                "(kernels.decode.launch_floor), graph-replayed and timed the same way: a floor under such a "
+                "step (GPU)",
     "cmp_ms": "the compressed branch alone", "sel_ms": "selection + the selected branch alone",
     "win_ms": "the window branch alone",
     "dense_sdpa_ms": "dense decode over the whole cache: append + SDPA (fused backends only on a GPU), "
@@ -69,7 +72,7 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
             "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}",
             "workspaces": (f"{_f(r['step_ws_min_ms'])}-{_f(r['step_ws_max_ms'])} ({int(r['workspaces'])})"
                            if pd.notna(r["workspaces"]) and r["workspaces"] > 0 else ""),   # none: a row without them
-            "eager": _f(r["eager_ms"]),
+            "eager": _f(r["eager_ms"]), "launch floor": _f(r["floor_ms"]),
             "cmp": _f(r["cmp_ms"]), "sel": _f(r["sel_ms"]), "win": _f(r["win_ms"]),
             "dense SDPA": _f(r["dense_sdpa_ms"]), "dense flash-attn (same bytes)": _f(r["dense_flash_attn_ms"]),
             "x dense (same bytes)": _f(r["speedup_vs_dense"], 2),

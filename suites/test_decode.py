@@ -11,7 +11,8 @@ says is read moves it; every other one, NaN, does not).
 Bench (``bench[B-S]``, docs/method.md): the step is ``kernels.decode.DecodeStep`` (append the new token's
 K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
 (``timing.bench(graph=True)``), and also run eagerly; each branch alone (only its work: selection
-belongs to ``sel``); and a dense decode over the whole cache that reads the dense layer's bytes
+belongs to ``sel``); on a GPU as many launches doing nothing, chained as the step's are
+(``kernels.decode.launch_floor``): a floor under the step; and a dense decode over the whole cache that reads the dense layer's bytes
 (append + SDPA on a fused backend with k at d_k and v at d_v; flash-attn's ``flash_attn_with_kvcache``
 when installed, at d_k = d_v = (d_k + d_v)/2 where the layer's differ, as FA-2 needs one head dim:
 the same K+V bytes per token). The headline "x dense" is against the faster of those two; flash-attn
@@ -281,6 +282,8 @@ def test_bench(B, S, record, bench_setup):
         for br, alone in bench_setup.alone.items():
             t[br] = _time(lambda: alone(**new), graph=True)
         t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True)
+        if GPU:             # as many launches doing nothing, chained as the step's: a floor under it
+            t["floor"] = _time(_require().launch_floor(DEV, B * LAYER.n_kv_heads), graph=True)
         for name, dd in dense.items():
             for what, fn in (("", dd.attend), ("_layer", lambda: dd.layer(x))):
                 if what and name.endswith("_padded"):
@@ -294,7 +297,7 @@ def test_bench(B, S, record, bench_setup):
     kv = lambda n, dv=LAYER.d_v: roofline.bytes_read(n, LAYER.d_k, dv, DTYPE.itemsize, LAYER.n_kv_heads, B)  # noqa: E731
     nbytes = kv(tokens)
     weights = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
-    least = {"eager": nbytes, "graph": nbytes, "layer": nbytes + weights(m),
+    least = {"eager": nbytes, "graph": nbytes, "layer": nbytes + weights(m), "floor": 0,
              **{f"graph_ws{i}": nbytes for i in range(1, len(bench_setup.placed) + 1)},
              **{br: kv(want[br]) for br in ("cmp", "sel", "win")},
              **{f"dense_{k}": kv(S, LAYER.d_k if k.endswith("_padded") else LAYER.d_v) for k in dense},
@@ -311,7 +314,7 @@ def test_bench(B, S, record, bench_setup):
     row = {"B": B, "S": S, "timer": main.timer, "step_ms": main.median_ms, "step_p20_ms": main.p20_ms,
            "step_p80_ms": main.p80_ms, "step_ws_min_ms": min(placed, default=None),
            "step_ws_max_ms": max(placed, default=None), "workspaces": len(placed),
-           "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"),
+           "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"), "floor_ms": ms("floor"),
            **{f"{br}_ms": t[br].median_ms for br in ("cmp", "sel", "win")},
            "dense_sdpa_ms": ms("dense_sdpa"), "dense_flash_attn_ms": ms("dense_flash_attn"),
            "dense_flash_attn_padded_ms": ms("dense_flash_attn_padded"),
