@@ -7,14 +7,20 @@ the same work as device operations of fixed shapes, so a whole layer step (proje
 ``NSAAttention.decode`` runs on the Triton route (one per cache, ``kernels.routes.decode_layer``):
 
 * the position lives on the device (``next_t`` [B] int32, advanced by the step itself);
-* φ runs every step over the l tokens ending at t: ``_span_kernel`` gathers them (+ the intra-block
-  position embedding: the prefill's φ folds it into fc1's bias instead, which saves it a pass over
-  all the spans, but here that fold would be one more launch per step while the gather adds it for
-  free; both forms are checked against the oracle) for k and v in one launch, φ's MLP runs in
-  torch, and ``_store_kernel``
-  writes the result to compressed slot (t+1−l)/d only where token t completes that span, one
-  launch for k and v: a fixed ~8 launches instead of a data-dependent branch (the torch
-  gather/where/index_put version of this took ~30 launches, ~100 µs of a step on the H100);
+* φ runs every step over the l tokens ending at t, for k and v together, in two launches:
+  ``_phi_fc1_kernel`` gathers the span from the cache (+ the intra-block position embedding: the
+  prefill's φ folds it into fc1's bias instead, which saves it a pass over all the spans, but here
+  the gather adds it for free; both forms are checked against the oracle) and multiplies it by fc1's
+  weight in K-chunks (fp32 partial sums); ``_phi_fc2_kernel`` adds them up with the bias, applies
+  silu and fc2, and writes the result to compressed slot (t+1−l)/d only where token t completes
+  that span. They replaced ten launches (the span gather; fc1, cuBLAS's split-K reduce, silu and fc2
+  for each of k and v in torch; the store): H100, paper config, bf16, the whole layer step
+  graph-replayed at 64k after the read flush, B=1 88.9 vs 95.7 µs, B=16 177.5 vs 188.7 (two
+  machines, one run each, not alternated). A first version whose fc2 program added the K-split
+  partials one dependent load at a time and whose fc1 read W1 across its rows (uncoalesced) took
+  164.4 / 454.0 µs. (φ = mean: the gather, a torch mean and ``_store_kernel``.) A fixed set of
+  launches instead of a data-dependent branch (the torch gather/where/index_put version of this took
+  ~30 launches, ~100 µs of a step on the H100);
 * the three branches and the gate mix run in ``kernels.decode.DecodeStep``.
 
 Shapes: x [B, 1, D] -> out [B, 1, D]. The cache's host ``length`` is advanced by ``__call__``.
@@ -22,36 +28,37 @@ Shapes: x [B, 1, D] -> out [B, 1, D]. The cache's host ``length`` is advanced by
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.common import precision
 from kernels.decode import DecodeStep, StepOut
+
+# φ's fc1 in the decode step: inputs per program (a K-chunk), per product, and columns per program
+PHI_BK, PHI_KC, PHI_BN = 512, 128, 64
 
 
 @triton.jit
-def _span_rows(X, SRC, PE, b, g, t, sb, st, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr,
-               BL: tl.constexpr, BD: tl.constexpr, ADD_PE: tl.constexpr):
+def _span_rows(X, SRC, b, g, t, sb, st, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr,
+               BL: tl.constexpr, BD: tl.constexpr):
     i = tl.arange(0, BL)
     rows = tl.maximum(t - L + 1 + i, 0)
     cols = tl.arange(0, BD)
     ok = (i < L)[:, None] & (cols < D)[None, :]
     x = tl.load(SRC + b * sb + rows[:, None] * st + g * D + cols[None, :], mask=ok)
-    if ADD_PE:
-        x = x.to(tl.float32) + tl.load(PE + i[:, None] * D + cols[None, :], mask=ok).to(tl.float32)
     tl.store(X + (b * G + g) * L * D + i[:, None] * D + cols[None, :], x.to(X.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _span_kernel(K, V, PE_K, PE_V, T, XK, XV, skb, skt, svb, svt,
+def _span_kernel(K, V, T, XK, XV, skb, skt, svb, svt,
                  G: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BL: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, ADD_PE: tl.constexpr):
+                 BL: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
     """Program (b, g): rows t−L+1 .. t of k and v (clamped at 0: such a span is never stored) for KV
-    head g, + pe [L, d], -> XK[b, g] = [L·d_k] (row-major over (l, d)), XV likewise."""
+    head g -> XK[b, g] = [L·d_k] (row-major over (l, d)), XV likewise (φ = mean)."""
     b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)    # 64-bit: b · (T_max · G · d) may pass 2^31
     t = tl.load(T + b).to(tl.int64)
-    _span_rows(XK, K, PE_K, b, g, t, skb, skt, G, L, DK, BL, BDK, ADD_PE)
-    _span_rows(XV, V, PE_V, b, g, t, svb, svt, G, L, DV, BL, BDV, ADD_PE)
+    _span_rows(XK, K, b, g, t, skb, skt, G, L, DK, BL, BDK)
+    _span_rows(XV, V, b, g, t, svb, svt, G, L, DV, BL, BDV)
 
 
 @triton.jit
@@ -78,6 +85,92 @@ def _store_kernel(YK, YV, KC, VC, T, skb, skn, svb, svn,
     _store_row(YV, VC, b, g, start, svb, svn, G, STRIDE, DV, BDV)
 
 
+@triton.jit
+def _phi_fc1_part(SRC, PE, W1, PART, T, sb, st, split, n0, part_base, M,
+                  G: tl.constexpr, L: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  KC: tl.constexpr, BN: tl.constexpr, NMAX: tl.constexpr, PREC: tl.constexpr):
+    """Columns [n0, n0 + BN) of fc1 over the K-chunk ``split`` (BK of the l·D inputs, KC at a time)
+    for every row r = b·G + g: the span's rows t−L+1 .. t of k or v (clamped at 0: such a span is
+    never stored) + pe, gathered element by element, times W1ᵀ -> PART[part_base + (split · M + r) ·
+    NMAX + n] (fp32)."""
+    r = tl.arange(0, BM)
+    n = n0 + tl.arange(0, BN)
+    r_ok, n_ok = r < M, n < D
+    b, g = (r // G).to(tl.int64), r % G
+    t = tl.load(T + b, mask=r_ok, other=0).to(tl.int64)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in tl.static_range(0, BK, KC):
+        kk = split * BK + k0 + tl.arange(0, KC)
+        k_ok = kk < L * D
+        li, d = kk // D, kk % D
+        row = tl.maximum(t[:, None] - L + 1 + li[None, :], 0)
+        x = tl.load(SRC + b[:, None] * sb + row * st + g[:, None] * D + d[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x += tl.load(PE + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        # W1's rows are contiguous along K: loaded [BN, KC] (coalesced) and transposed for the product
+        w = tl.load(W1 + n[:, None] * (L * D) + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PREC)
+    tl.store(PART + part_base + (split * M + r[:, None]) * NMAX + n[None, :], acc,
+             mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _phi_fc1_kernel(K, V, PE_K, PE_V, W1_K, W1_V, T, PART, skb, skt, svb, svt, M,
+                    G: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr, NMAX: tl.constexpr,
+                    SPLITS: tl.constexpr, PREC: tl.constexpr):
+    """φ's fc1 for k (program_id(2) = 0) and v (1) in one launch, split over K-chunks (program_id(0))
+    and column tiles (program_id(1)): fp32 partial sums, added up by ``_phi_fc2_kernel``."""
+    split, n0, which = tl.program_id(0), tl.program_id(1) * BN, tl.program_id(2)
+    if which == 0:
+        if split * BK < L * DK and n0 < DK:
+            _phi_fc1_part(K, PE_K, W1_K, PART, T, skb, skt, split, n0, 0, M, G, L, DK, BM, BK, KC, BN, NMAX, PREC)
+    else:
+        if split * BK < L * DV and n0 < DV:
+            _phi_fc1_part(V, PE_V, W1_V, PART, T, svb, svt, split, n0, SPLITS * M * NMAX, M, G, L, DV, BM, BK, KC,
+                          BN, NMAX, PREC)
+
+
+@triton.jit
+def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, sb, sn, M, G: tl.constexpr, L: tl.constexpr,
+                 STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
+                 BJ: tl.constexpr, SP: tl.constexpr):
+    """Row r = b·G + g: h = silu(Σ_splits partials + b1), y = W2·h + b2, written (the cache's dtype) to
+    compressed slot (t+1−L)/STRIDE where token t completes that span; else nothing."""
+    cols = tl.arange(0, BD)
+    c_ok = cols < D
+    sp = tl.arange(0, SP)                       # every split's partial in one load (not a chain of them)
+    part = tl.load(PART + part_base + (sp[:, None] * M + r) * NMAX + cols[None, :],
+                   mask=(sp < tl.cdiv(L * D, BK))[:, None] & c_ok[None, :], other=0.0)
+    h = tl.sum(part, 0) + tl.load(B1 + cols, mask=c_ok, other=0.0).to(tl.float32)
+    h = h * tl.sigmoid(h)                                                                       # silu
+    b, g = r // G, r % G
+    start = tl.load(T + b).to(tl.int64) + 1 - L
+    slot = tl.maximum(start, 0) // STRIDE
+    for j0 in tl.static_range(0, BD, BJ):
+        j = j0 + tl.arange(0, BJ)
+        j_ok = j < D
+        w = tl.load(W2 + j[:, None] * D + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+        y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
+        s_vec = start + j * 0          # the span test on a vector (see ``_store_row``)
+        ok = j_ok & (s_vec >= 0) & (s_vec % STRIDE == 0)
+        tl.store(C + b.to(tl.int64) * sb + slot * sn + g * D + j, y.to(C.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _phi_fc2_kernel(PART, B1_K, B1_V, W2_K, W2_V, B2_K, B2_V, KC, VC, T, skb, skn, svb, svn, M,
+                    G: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
+                    SPLITS: tl.constexpr, BJ: tl.constexpr, SP: tl.constexpr):
+    """Program (row r = b·G + g, k or v): φ's fc1 sum, silu and fc2, stored where t completes a span."""
+    r, which = tl.program_id(0), tl.program_id(1)
+    if which == 0:
+        _phi_fc2_row(PART, 0, B1_K, W2_K, B2_K, KC, T, r, skb, skn, M, G, L, STRIDE, DK, BDK, BK, NMAX, BJ, SP)
+    else:
+        _phi_fc2_row(PART, SPLITS * M * NMAX, B1_V, W2_V, B2_V, VC, T, r, svb, svn, M, G, L, STRIDE, DV, BDV, BK,
+                     NMAX, BJ, SP)
+
+
 class LayerDecodeStep:
     """One NSA layer decode step for module ``m`` over ``cache`` (which holds ``cache.length``
     tokens, e.g. after a prefill); buffers and plan are made once, here."""
@@ -88,8 +181,12 @@ class LayerDecodeStep:
         B, G, l = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
         dev, dt = cache.k.device, cache.k.dtype
         assert cache.k_cmp.stride(2) == cfg.d_k and cache.v_cmp.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
-        self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)      # φ's inputs, written by _span_kernel
-        self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
+        if cfg.compress == "mlp":        # φ's fc1 partial sums, written by _phi_fc1_kernel
+            self.splits = triton.cdiv(l * max(cfg.d_k, cfg.d_v), PHI_BK)
+            self.part = torch.empty(2, self.splits, B * G, max(cfg.d_k, cfg.d_v), device=dev, dtype=torch.float32)
+        else:                            # φ's inputs (mean), written by _span_kernel
+            self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)
+            self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
         self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
         self.last: StepOut | None = None
@@ -124,16 +221,26 @@ class LayerDecodeStep:
         """φ over raw tokens t−l+1 .. t into compressed slot (t+1−l)/d, where t completes it."""
         m, c, cfg = self.m, self.cache, self.m.cfg
         B, G, l = c.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
-        mlp = cfg.compress == "mlp"
         bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
-        pe = (m.cmp_k.pe, m.cmp_v.pe) if mlp else (c.k, c.v)                # (unused without the MLP)
-        _span_kernel[(B, G)](c.k, c.v, *pe, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1),
-                             c.v.stride(0), c.v.stride(1), G=G, L=l, DK=cfg.d_k, DV=cfg.d_v,
-                             BL=triton.next_power_of_2(l), BDK=bd[0], BDV=bd[1], ADD_PE=mlp)
-        if mlp:
-            yk, yv = (phi.fc2(F.silu(phi.fc1(xx))) for phi, xx in ((m.cmp_k, self.xk), (m.cmp_v, self.xv)))
-        else:
-            yk, yv = self.xk.view(B, G, l, -1).mean(2), self.xv.view(B, G, l, -1).mean(2)
+        if cfg.compress == "mlp":
+            M, nmax = B * G, max(cfg.d_k, cfg.d_v)
+            pk, pv = m.cmp_k, m.cmp_v
+            _phi_fc1_kernel[(self.splits, triton.cdiv(nmax, PHI_BN), 2)](
+                c.k, c.v, pk.pe, pv.pe, pk.fc1.weight, pv.fc1.weight, t, self.part, c.k.stride(0), c.k.stride(1),
+                c.v.stride(0), c.v.stride(1), M, G=G, L=l, DK=cfg.d_k, DV=cfg.d_v,
+                BM=max(16, triton.next_power_of_2(M)), BK=PHI_BK, KC=PHI_KC, BN=PHI_BN, NMAX=nmax,
+                SPLITS=self.splits, PREC=precision(c.k.dtype))
+            _phi_fc2_kernel[(M, 2)](
+                self.part, pk.fc1.bias, pv.fc1.bias, pk.fc2.weight, pv.fc2.weight, pk.fc2.bias, pv.fc2.bias,
+                c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0), c.k_cmp.stride(1), c.v_cmp.stride(0), c.v_cmp.stride(1),
+                M, G=G, L=l, STRIDE=cfg.cmp_stride, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1], BK=PHI_BK,
+                NMAX=nmax, SPLITS=self.splits, BJ=min(32, bd[0], bd[1]), SP=triton.next_power_of_2(self.splits),
+                num_warps=8)
+            return
+        _span_kernel[(B, G)](c.k, c.v, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1), c.v.stride(0),
+                             c.v.stride(1), G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BL=triton.next_power_of_2(l),
+                             BDK=bd[0], BDV=bd[1])
+        yk, yv = self.xk.view(B, G, l, -1).mean(2), self.xv.view(B, G, l, -1).mean(2)
         _store_kernel[(B, G)](yk.contiguous(), yv.contiguous(), c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0),
                               c.k_cmp.stride(1), c.v_cmp.stride(0), c.v_cmp.stride(1), G=G, L=l,
                               STRIDE=cfg.cmp_stride, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1])
