@@ -57,3 +57,26 @@ def test_layer_step_equals_module_decode(prefill, phi):
     torch.testing.assert_close(cache.k_cmp[:, :n], ref_cache.k_cmp[:, :n], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cache.v_cmp[:, :n], ref_cache.v_cmp[:, :n], rtol=1e-6, atol=1e-6)
     assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
+
+
+@pytest.mark.parametrize("batch", [40])
+def test_phi_at_a_batch_past_one_tile_of_rows(batch):
+    """φ in the decode step over B·G = 80 rows (more than the 64 of the paper config at B=16, and
+    no power of two): the slot a step completes equals the module's φ over that span, every row."""
+    from kernels.decode_layer import LayerDecodeStep
+    CFG = CFGS["mlp"]
+    why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    torch.manual_seed(5)
+    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
+    t = 2 * CFG.cmp_stride + CFG.cmp_len - 1                       # token t completes a span
+    x = torch.randn(batch, t + 1, CFG.d_model, device=DEV)
+    cache = DecodeCache(CFG, batch, t + 1, device=DEV)
+    with torch.no_grad():
+        m(x[:, :t], cache=cache)
+        LayerDecodeStep(m, cache)(x[:, t:t + 1])
+        slot = (t + 1 - CFG.cmp_len) // CFG.cmp_stride
+        span = slice(t + 1 - CFG.cmp_len, t + 1)
+        for got, phi, raw in ((cache.k_cmp, m.cmp_k, cache.k), (cache.v_cmp, m.cmp_v, cache.v)):
+            torch.testing.assert_close(got[:, slot:slot + 1], phi(raw[:, span]), rtol=1e-5, atol=1e-5)
