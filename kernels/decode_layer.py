@@ -181,9 +181,17 @@ class LayerDecodeStep:
         B, G, l = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
         dev, dt = cache.k.device, cache.k.dtype
         assert cache.k_cmp.stride(2) == cfg.d_k and cache.v_cmp.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
-        if cfg.compress == "mlp":        # φ's fc1 partial sums, written by _phi_fc1_kernel
-            self.splits = triton.cdiv(l * max(cfg.d_k, cfg.d_v), PHI_BK)
-            self.part = torch.empty(2, self.splits, B * G, max(cfg.d_k, cfg.d_v), device=dev, dtype=torch.float32)
+        if cfg.compress == "mlp":        # φ's fc1 partial sums (written by _phi_fc1_kernel); both launches' settings
+            M, nmax = B * G, max(cfg.d_k, cfg.d_v)
+            splits = triton.cdiv(l * nmax, PHI_BK)
+            self.part = torch.empty(2, splits, M, nmax, device=dev, dtype=torch.float32)
+            bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
+            shared = dict(G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BK=PHI_BK, NMAX=nmax, SPLITS=splits)
+            self.phi_fc1 = ((splits, triton.cdiv(nmax, PHI_BN), 2),
+                            dict(shared, BM=max(16, triton.next_power_of_2(M)), KC=PHI_KC, BN=PHI_BN,
+                                 PREC=precision(dt)))
+            self.phi_fc2 = ((M, 2), dict(shared, STRIDE=cfg.cmp_stride, BDK=bd[0], BDV=bd[1], BJ=min(32, *bd),
+                                         SP=triton.next_power_of_2(splits), num_warps=8))
         else:                            # φ's inputs (mean), written by _span_kernel
             self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)
             self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
@@ -221,22 +229,17 @@ class LayerDecodeStep:
         """φ over raw tokens t−l+1 .. t into compressed slot (t+1−l)/d, where t completes it."""
         m, c, cfg = self.m, self.cache, self.m.cfg
         B, G, l = c.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
-        bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
-        if cfg.compress == "mlp":
-            M, nmax = B * G, max(cfg.d_k, cfg.d_v)
+        if cfg.compress == "mlp":        # the launches' grids and settings: fixed in __init__
             pk, pv = m.cmp_k, m.cmp_v
-            _phi_fc1_kernel[(self.splits, triton.cdiv(nmax, PHI_BN), 2)](
-                c.k, c.v, pk.pe, pv.pe, pk.fc1.weight, pv.fc1.weight, t, self.part, c.k.stride(0), c.k.stride(1),
-                c.v.stride(0), c.v.stride(1), M, G=G, L=l, DK=cfg.d_k, DV=cfg.d_v,
-                BM=max(16, triton.next_power_of_2(M)), BK=PHI_BK, KC=PHI_KC, BN=PHI_BN, NMAX=nmax,
-                SPLITS=self.splits, PREC=precision(c.k.dtype))
-            _phi_fc2_kernel[(M, 2)](
-                self.part, pk.fc1.bias, pv.fc1.bias, pk.fc2.weight, pv.fc2.weight, pk.fc2.bias, pv.fc2.bias,
-                c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0), c.k_cmp.stride(1), c.v_cmp.stride(0), c.v_cmp.stride(1),
-                M, G=G, L=l, STRIDE=cfg.cmp_stride, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1], BK=PHI_BK,
-                NMAX=nmax, SPLITS=self.splits, BJ=min(32, bd[0], bd[1]), SP=triton.next_power_of_2(self.splits),
-                num_warps=8)
+            (grid1, kw1), (grid2, kw2) = self.phi_fc1, self.phi_fc2
+            M = grid2[0]
+            _phi_fc1_kernel[grid1](c.k, c.v, pk.pe, pv.pe, pk.fc1.weight, pv.fc1.weight, t, self.part, c.k.stride(0),
+                                   c.k.stride(1), c.v.stride(0), c.v.stride(1), M, **kw1)
+            _phi_fc2_kernel[grid2](self.part, pk.fc1.bias, pv.fc1.bias, pk.fc2.weight, pv.fc2.weight, pk.fc2.bias,
+                                   pv.fc2.bias, c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0), c.k_cmp.stride(1),
+                                   c.v_cmp.stride(0), c.v_cmp.stride(1), M, **kw2)
             return
+        bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
         _span_kernel[(B, G)](c.k, c.v, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1), c.v.stride(0),
                              c.v.stride(1), G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BL=triton.next_power_of_2(l),
                              BDK=bd[0], BDV=bd[1])
