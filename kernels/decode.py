@@ -38,7 +38,7 @@ except the top-n, which lets it go before its own wait, and the block scores whe
 their grid is small (``SCORES_EARLY_PROGRAMS``), which let it go at their start. Where the step appends the new token itself (``DecodeStep``
 given k_new/v_new) and runs all three branches, the window programs do not wait at all: they read nothing the step's
 earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
-the top-n ranks. (``LayerDecodeStep`` appends before the step, for φ's span: there every launch waits.)
+the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t from the new token's row.)
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.

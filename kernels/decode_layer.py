@@ -6,22 +6,30 @@ the same work as device operations of fixed shapes, so a whole layer step (proje
 φ, gate, attention, gated mix, output projection) can be captured in a CUDA graph; it is what
 ``NSAAttention.decode`` runs on the Triton route (one per cache, ``kernels.routes.decode_layer``):
 
-* the position lives on the device (``next_t`` [B] int32, advanced by the step itself);
-* φ runs every step over the l tokens ending at t, for k and v together, in two launches:
-  ``_phi_fc1_kernel`` gathers the span from the cache (+ the intra-block position embedding: the
-  prefill's φ folds it into fc1's bias instead, which saves it a pass over all the spans, but here
-  the gather adds it for free; both forms are checked against the oracle) and multiplies it by fc1's
-  weight in K-chunks (fp32 partial sums); ``_phi_fc2_kernel`` adds them up with the bias, applies
-  silu and fc2, and writes the result to compressed slot (t+1−l)/d only where token t completes
-  that span. They replaced ten launches (the span gather; fc1, cuBLAS's split-K reduce, silu and fc2
-  for each of k and v in torch; the store): H100, paper config, bf16, the whole layer step
-  graph-replayed at 64k after the read flush, B=1 88.9 vs 95.7 µs, B=16 177.5 vs 188.7 (two
-  machines, one run each, not alternated). A first version whose fc2 program added the K-split
-  partials one dependent load at a time and whose fc1 read W1 across its rows (uncoalesced) took
-  164.4 / 454.0 µs. (φ = mean: the gather, a torch mean and ``_store_kernel``.) A fixed set of
-  launches instead of a data-dependent branch (the torch gather/where/index_put version of this took
-  ~30 launches, ~100 µs of a step on the H100);
-* the three branches and the gate mix run in ``kernels.decode.DecodeStep``.
+* the position lives on the device (``next_t`` [B] int32, advanced by the step itself, with the
+  cache's ``pos``, in one launch: ``_advance_kernel``);
+* the step's small MLPs run in two launches: ``_fc1_kernel`` computes fc1 of the gate (from x) and of
+  φ for k and v (over the l tokens ending at t), split over K-chunks, as fp32 partial sums;
+  ``_fc2_kernel`` adds them up with the bias and applies silu and fc2 (and the gate's sigmoid). φ runs
+  every step: its fc1 programs gather the span from the cache, token t from the new token's own row
+  (it is not in the cache yet), plus the intra-block position embedding (the prefill's φ folds it
+  into fc1's bias instead, which saves it a pass over all the spans, but here the gather adds it for
+  free; both forms are checked against the oracle), and its fc2 programs write compressed slot
+  (t+1−l)/d only where token t completes that span. φ's two launches replaced ten (the span gather;
+  fc1, cuBLAS's split-K reduce, silu and fc2 for each of k and v in torch; the store): H100, paper
+  config, bf16, the whole layer step graph-replayed at 64k after the read flush, B=1 88.9 vs 95.7 µs,
+  B=16 177.5 vs 188.7 (two machines, one run each, not alternated). A first version whose fc2 program
+  added the K-split partials one dependent load at a time and whose fc1 read W1 across its rows
+  (uncoalesced) took 164.4 / 454.0 µs. With the gate moved into these two launches (from torch's
+  four), smaller fc1 programs (128 inputs rather than 512) and an fc2 program per 32 outputs rather
+  than per row, the append moved into the attention step and the position update into one launch,
+  the layer step went from 89.3-94.6 to 68.2-68.7 µs at B=1, 64k, from 111.9-113.1 to 87.0-87.2 at
+  B=4, from 176.3-176.9 to 151.3-151.6 at B=16 (H100, one process, rounds alternating: ``MLP_BK``).
+  (φ = mean: the gather, a torch mean and ``_store_kernel``; the two launches then hold the gate
+  alone.) A fixed set of launches instead of a data-dependent branch (the torch
+  gather/where/index_put version of this took ~30 launches, ~100 µs of a step);
+* the three branches and the gate mix run in ``kernels.decode.DecodeStep``, whose first launch
+  appends the new token to the cache, as in the attention step the decode bench times.
 
 Shapes: x [B, 1, D] -> out [B, 1, D]. The cache's host ``length`` is advanced by ``__call__``.
 """
@@ -34,43 +42,62 @@ import triton.language as tl
 from kernels.common import precision
 from kernels.decode import DecodeStep, StepOut
 
-# φ's fc1 in the decode step: inputs per program (a K-chunk), per product, and columns per program
-PHI_BK, PHI_KC, PHI_BN = 512, 128, 64
+# fc1 of the step's small MLPs (φ for k and v, the gate): inputs per program (a K-chunk), per product, and columns
+# per program; warps of an fc2 program (which takes BJ = 32 outputs). H100, paper config, bf16, the whole layer step
+# graph-replayed at 64k after the read flush, three rounds rotating the order in one process, us at B=1 / 4 / 16, by
+# (inputs a fc1 program, fc2 warps, outputs a fc2 program): 128, 4, 32: 68.2-68.7 / 87.0-87.2 / 151.3-151.6;
+# 64, 4, 32: 69.6-70.3 / 88.2-88.6 / 155.0-156.2; 128, 2, 32: 68.9-69.2 / 87.1-87.8 / 151.0-151.3; 128, 4, 64:
+# 70.1-70.4 / 88.5-88.9 / 150.7-150.9; 128, 4, all (a program a row) 88.1-88.5 / 103.7-104.0 / 166.4-166.6. In an
+# earlier run of the same script: 256, 4, 32: 70.3-70.5 / 89.3-89.5 / 155.8-156.4; 512, 4, 32: 78.2-78.7 /
+# 96.8-97.0 / 168.3-168.4; 256, 8, 32: 71.9-72.3 / 91.4-92.0 / 162.7-163.1; 128, 8, 32: 69.9-70.0 / 88.7-89.2 /
+# 154.3-154.7. c2b170a's step (φ's fc1 over 512 inputs a program, an fc2 program a row, the gate in torch's four
+# launches, the append and the position update launches of their own): 89.3-94.6 / 111.9-113.1 / 176.3-176.9.
+MLP_BK, MLP_KC, MLP_BN = 128, 128, 64
+FC2_WARPS = 4
 
 
 @triton.jit
-def _span_rows(X, SRC, b, g, t, sb, st, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr,
+def _span_rows(X, SRC, NEW, b, g, t, sb, st, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr,
                BL: tl.constexpr, BD: tl.constexpr):
     i = tl.arange(0, BL)
     rows = tl.maximum(t - L + 1 + i, 0)
     cols = tl.arange(0, BD)
     ok = (i < L)[:, None] & (cols < D)[None, :]
-    x = tl.load(SRC + b * sb + rows[:, None] * st + g * D + cols[None, :], mask=ok)
+    # token t is not in the cache yet (the attention step's first launch appends it): from the new token's row
+    x = tl.load(SRC + b * sb + rows[:, None] * st + g * D + cols[None, :], mask=ok & (rows < t)[:, None], other=0.0)
+    x += tl.load(NEW + (b * G + g) * D + cols[None, :] + rows[:, None] * 0, mask=ok & (rows == t)[:, None], other=0.0)
     tl.store(X + (b * G + g) * L * D + i[:, None] * D + cols[None, :], x.to(X.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _span_kernel(K, V, T, XK, XV, skb, skt, svb, svt,
+def _span_kernel(K, V, KN, VN, T, XK, XV, skb, skt, svb, svt,
                  G: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  BL: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
-    """Program (b, g): rows t−L+1 .. t of k and v (clamped at 0: such a span is never stored) for KV
-    head g -> XK[b, g] = [L·d_k] (row-major over (l, d)), XV likewise (φ = mean)."""
+    """Program (b, g): rows t−L+1 .. t of k and v (clamped at 0: such a span is never stored; row t
+    from the new token's KN [B, G, d_k] / VN [B, G, d_v]) for KV head g -> XK[b, g] = [L·d_k]
+    (row-major over (l, d)), XV likewise (φ = mean)."""
     b, g = tl.program_id(0).to(tl.int64), tl.program_id(1)    # 64-bit: b · (T_max · G · d) may pass 2^31
     t = tl.load(T + b).to(tl.int64)
-    _span_rows(XK, K, b, g, t, skb, skt, G, L, DK, BL, BDK)
-    _span_rows(XV, V, b, g, t, svb, svt, G, L, DV, BL, BDV)
+    _span_rows(XK, K, KN, b, g, t, skb, skt, G, L, DK, BL, BDK)
+    _span_rows(XV, V, VN, b, g, t, svb, svt, G, L, DV, BL, BDV)
 
 
 @triton.jit
 def _store_row(Y, C, b, g, start, sb, sn, G: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
                BD: tl.constexpr):
     cols = tl.arange(0, BD)
-    # the test "t completes a span" on a vector, not a scalar: triton 3.9's interpreter types a mask
-    # combined from a scalar built of a loaded value as int32 and refuses it
-    s = start + cols * 0
-    ok = (cols < D) & (s >= 0) & (s % STRIDE == 0)
+    ok = (cols < D) & _completes(start, cols, STRIDE)
     slot = tl.maximum(start, 0) // STRIDE
     tl.store(C + b * sb + slot * sn + g * D + cols, tl.load(Y + (b * G + g) * D + cols, mask=ok), mask=ok)
+
+
+@triton.jit
+def _completes(start, lanes, STRIDE: tl.constexpr):
+    """Whether the span starting at ``start`` (= t+1−l) is one φ stores (t completes it), as a mask like
+    ``lanes``: on a vector, not a scalar, since triton 3.9's interpreter types a mask combined from a
+    scalar built of a loaded value as int32 and refuses it."""
+    s = start + lanes * 0
+    return (s >= 0) & (s % STRIDE == 0)
 
 
 @triton.jit
@@ -86,13 +113,13 @@ def _store_kernel(YK, YV, KC, VC, T, skb, skn, svb, svn,
 
 
 @triton.jit
-def _phi_fc1_part(SRC, PE, W1, PART, T, sb, st, split, n0, part_base, M,
+def _phi_fc1_part(SRC, NEW, PE, W1, PART, T, sb, st, split, n0, part_base, M,
                   G: tl.constexpr, L: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   KC: tl.constexpr, BN: tl.constexpr, NMAX: tl.constexpr, PREC: tl.constexpr):
-    """Columns [n0, n0 + BN) of fc1 over the K-chunk ``split`` (BK of the l·D inputs, KC at a time)
-    for every row r = b·G + g: the span's rows t−L+1 .. t of k or v (clamped at 0: such a span is
-    never stored) + pe, gathered element by element, times W1ᵀ -> PART[part_base + (split · M + r) ·
-    NMAX + n] (fp32)."""
+    """Columns [n0, n0 + BN) of φ's fc1 over the K-chunk ``split`` (BK of the l·D inputs, KC at a time)
+    for every row r = b·G + g: the span's rows t−L+1 .. t−1 of k or v from the cache (clamped at 0: such
+    a span is never stored) and row t from the new token's NEW [B·G, D] (not appended yet), + pe,
+    gathered element by element, times W1ᵀ -> PART[part_base + (split · M + r) · NMAX + n] (fp32)."""
     r = tl.arange(0, BM)
     n = n0 + tl.arange(0, BN)
     r_ok, n_ok = r < M, n < D
@@ -104,8 +131,10 @@ def _phi_fc1_part(SRC, PE, W1, PART, T, sb, st, split, n0, part_base, M,
         k_ok = kk < L * D
         li, d = kk // D, kk % D
         row = tl.maximum(t[:, None] - L + 1 + li[None, :], 0)
-        x = tl.load(SRC + b[:, None] * sb + row * st + g[:, None] * D + d[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ok = r_ok[:, None] & k_ok[None, :]
+        x = tl.load(SRC + b[:, None] * sb + row * st + g[:, None] * D + d[None, :], mask=ok & (row < t[:, None]),
+                    other=0.0).to(tl.float32)
+        x += tl.load(NEW + r[:, None] * D + d[None, :], mask=ok & (row == t[:, None]), other=0.0).to(tl.float32)
         x += tl.load(PE + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         # W1's rows are contiguous along K: loaded [BN, KC] (coalesced) and transposed for the product
         w = tl.load(W1 + n[:, None] * (L * D) + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -115,28 +144,54 @@ def _phi_fc1_part(SRC, PE, W1, PART, T, sb, st, split, n0, part_base, M,
 
 
 @triton.jit
-def _phi_fc1_kernel(K, V, PE_K, PE_V, W1_K, W1_V, T, PART, skb, skt, svb, svt, M,
-                    G: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
-                    BK: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr, NMAX: tl.constexpr,
-                    SPLITS: tl.constexpr, PREC: tl.constexpr):
-    """φ's fc1 for k (program_id(2) = 0) and v (1) in one launch, split over K-chunks (program_id(0))
-    and column tiles (program_id(1)): fp32 partial sums, added up by ``_phi_fc2_kernel``."""
-    split, n0, which = tl.program_id(0), tl.program_id(1) * BN, tl.program_id(2)
-    if which == 0:
-        if split * BK < L * DK and n0 < DK:
-            _phi_fc1_part(K, PE_K, W1_K, PART, T, skb, skt, split, n0, 0, M, G, L, DK, BM, BK, KC, BN, NMAX, PREC)
-    else:
-        if split * BK < L * DV and n0 < DV:
-            _phi_fc1_part(V, PE_V, W1_V, PART, T, svb, svt, split, n0, SPLITS * M * NMAX, M, G, L, DV, BM, BK, KC,
-                          BN, NMAX, PREC)
+def _gate_fc1_part(X, W1, PART, sx, split, n0, B, D: tl.constexpr, HID: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """Columns [n0, n0 + BN) of the gate's fc1 over the K-chunk ``split`` of x [B, D] (row stride sx)
+    -> PART[(split · B + b) · HID + n] (fp32)."""
+    r = tl.arange(0, BM)
+    n = n0 + tl.arange(0, BN)
+    r_ok, n_ok = r < B, n < HID
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in tl.static_range(0, BK, KC):
+        kk = split * BK + k0 + tl.arange(0, KC)
+        k_ok = kk < D
+        x = tl.load(X + r[:, None].to(tl.int64) * sx + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W1 + n[:, None] * D + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision=PREC)
+    tl.store(PART + (split * B + r[:, None]) * HID + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, sb, sn, M, G: tl.constexpr, L: tl.constexpr,
+def _fc1_kernel(X, W1_G, PART_G, K, V, KN, VN, PE_K, PE_V, W1_K, W1_V, T, PART, sx, skb, skt, svb, svt, B, M,
+                D_MODEL: tl.constexpr, HID: tl.constexpr, PHI: tl.constexpr,
+                G: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr, NMAX: tl.constexpr,
+                SPLITS: tl.constexpr, PREC: tl.constexpr):
+    """fc1 of the step's small MLPs in one launch, split over K-chunks (program_id(0)) and column tiles
+    (program_id(1)); program_id(2): 0 the gate's, 1 / 2 φ's for k / v (only where PHI: φ is an MLP).
+    fp32 partial sums, added up by ``_fc2_kernel``."""
+    split, n0, which = tl.program_id(0), tl.program_id(1) * BN, tl.program_id(2)
+    if which == 0:
+        if split * BK < D_MODEL and n0 < HID:
+            _gate_fc1_part(X, W1_G, PART_G, sx, split, n0, B, D_MODEL, HID, BM, BK, KC, BN, PREC)
+    else:
+        if PHI:
+            if which == 1:
+                if split * BK < L * DK and n0 < DK:
+                    _phi_fc1_part(K, KN, PE_K, W1_K, PART, T, skb, skt, split, n0, 0, M, G, L, DK, BM, BK, KC, BN,
+                                  NMAX, PREC)
+            else:
+                if split * BK < L * DV and n0 < DV:
+                    _phi_fc1_part(V, VN, PE_V, W1_V, PART, T, svb, svt, split, n0, SPLITS * M * NMAX, M, G, L, DV,
+                                  BM, BK, KC, BN, NMAX, PREC)
+
+
+@triton.jit
+def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, j0, sb, sn, M, G: tl.constexpr, L: tl.constexpr,
                  STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
                  BJ: tl.constexpr, SP: tl.constexpr):
-    """Row r = b·G + g: h = silu(Σ_splits partials + b1), y = W2·h + b2, written (the cache's dtype) to
-    compressed slot (t+1−L)/STRIDE where token t completes that span; else nothing."""
+    """Row r = b·G + g, outputs j0 .. j0+BJ−1: h = silu(Σ_splits partials + b1), y = W2·h + b2, written
+    (the cache's dtype) to compressed slot (t+1−L)/STRIDE where token t completes that span; else nothing."""
     cols = tl.arange(0, BD)
     c_ok = cols < D
     sp = tl.arange(0, SP)                       # every split's partial in one load (not a chain of them)
@@ -147,28 +202,67 @@ def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, sb, sn, M, G: tl.constexp
     b, g = r // G, r % G
     start = tl.load(T + b).to(tl.int64) + 1 - L
     slot = tl.maximum(start, 0) // STRIDE
-    for j0 in tl.static_range(0, BD, BJ):
-        j = j0 + tl.arange(0, BJ)
-        j_ok = j < D
-        w = tl.load(W2 + j[:, None] * D + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
-        y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
-        s_vec = start + j * 0          # the span test on a vector (see ``_store_row``)
-        ok = j_ok & (s_vec >= 0) & (s_vec % STRIDE == 0)
-        tl.store(C + b.to(tl.int64) * sb + slot * sn + g * D + j, y.to(C.dtype.element_ty), mask=ok)
+    j = j0 + tl.arange(0, BJ)
+    j_ok = j < D
+    w = tl.load(W2 + j[:, None] * D + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(C + b.to(tl.int64) * sb + slot * sn + g * D + j, y.to(C.dtype.element_ty),
+             mask=j_ok & _completes(start, j, STRIDE))
 
 
 @triton.jit
-def _phi_fc2_kernel(PART, B1_K, B1_V, W2_K, W2_V, B2_K, B2_V, KC, VC, T, skb, skn, svb, svn, M,
-                    G: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
-                    SPLITS: tl.constexpr, BJ: tl.constexpr, SP: tl.constexpr):
-    """Program (row r = b·G + g, k or v): φ's fc1 sum, silu and fc2, stored where t completes a span."""
-    r, which = tl.program_id(0), tl.program_id(1)
+def _gate_fc2_row(PART, B1, W2, B2, OUT, r, j0, B, HID: tl.constexpr, NOUT: tl.constexpr, BHID: tl.constexpr,
+                  BJ: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """Batch row r, outputs j0 .. j0+BJ−1: h = silu(Σ_splits partials + b1), OUT[r, j] = sigmoid(W2·h + b2)[j]
+    (OUT [B, NOUT = 3·H], its dtype)."""
+    cols = tl.arange(0, BHID)
+    c_ok = cols < HID
+    sp = tl.arange(0, SP)
+    part = tl.load(PART + (sp[:, None] * B + r) * HID + cols[None, :], mask=(sp < SPLITS)[:, None] & c_ok[None, :],
+                   other=0.0)
+    h = tl.sum(part, 0) + tl.load(B1 + cols, mask=c_ok, other=0.0).to(tl.float32)
+    h = h * tl.sigmoid(h)                                                                       # silu
+    j = j0 + tl.arange(0, BJ)
+    j_ok = j < NOUT
+    w = tl.load(W2 + j[:, None] * HID + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(OUT + r * NOUT + j, tl.sigmoid(y).to(OUT.dtype.element_ty), mask=j_ok)
+
+
+@triton.jit
+def _fc2_kernel(PART_G, B1_G, W2_G, B2_G, GATE, PART, B1_K, B1_V, W2_K, W2_V, B2_K, B2_V, KC, VC, T,
+                skb, skn, svb, svn, B, M,
+                HID: tl.constexpr, NOUT: tl.constexpr, BHID: tl.constexpr, SPLITS_G: tl.constexpr, SPG: tl.constexpr,
+                PHI: tl.constexpr, G: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
+                SPLITS: tl.constexpr, BJ: tl.constexpr, SP: tl.constexpr):
+    """Program (row r, which, chunk of BJ outputs): the fc1 sums, silu and fc2 of the step's small MLPs:
+    which = 0 the gate of batch row r (r < B) -> GATE [B, 3·H]; 1 / 2 φ for k / v of row r = b·G + g,
+    stored where t completes a span (only where PHI). Each program sums the partials itself: one output
+    chunk a program, so that its W2 load is the only one it waits on."""
+    r, which, j0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ
     if which == 0:
-        _phi_fc2_row(PART, 0, B1_K, W2_K, B2_K, KC, T, r, skb, skn, M, G, L, STRIDE, DK, BDK, BK, NMAX, BJ, SP)
+        if r < B and j0 < NOUT:
+            _gate_fc2_row(PART_G, B1_G, W2_G, B2_G, GATE, r, j0, B, HID, NOUT, BHID, BJ, SPLITS_G, SPG)
     else:
-        _phi_fc2_row(PART, SPLITS * M * NMAX, B1_V, W2_V, B2_V, VC, T, r, svb, svn, M, G, L, STRIDE, DV, BDV, BK,
-                     NMAX, BJ, SP)
+        if PHI:
+            if which == 1:
+                if j0 < DK:
+                    _phi_fc2_row(PART, 0, B1_K, W2_K, B2_K, KC, T, r, j0, skb, skn, M, G, L, STRIDE, DK, BDK, BK,
+                                 NMAX, BJ, SP)
+            else:
+                if j0 < DV:
+                    _phi_fc2_row(PART, SPLITS * M * NMAX, B1_V, W2_V, B2_V, VC, T, r, j0, svb, svn, M, G, L, STRIDE,
+                                 DV, BDV, BK, NMAX, BJ, SP)
+
+
+@triton.jit
+def _advance_kernel(T, POS, B, BB: tl.constexpr):
+    """After a step: POS[b] = T[b] (the cache's position: the token just appended) and T[b] += 1."""
+    i = tl.arange(0, BB)
+    t = tl.load(T + i, mask=i < B)
+    tl.store(POS + i, t, mask=i < B)
+    tl.store(T + i, t + 1, mask=i < B)
 
 
 class LayerDecodeStep:
@@ -178,21 +272,31 @@ class LayerDecodeStep:
     def __init__(self, m, cache) -> None:
         self.m, self.cache, cfg = m, cache, m.cfg
         self.attn = DecodeStep(cfg, cache)
-        B, G, l = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
+        B, G, l, D = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len, cfg.d_model
         dev, dt = cache.k.device, cache.k.dtype
         assert cache.k_cmp.stride(2) == cfg.d_k and cache.v_cmp.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
-        if cfg.compress == "mlp":        # φ's fc1 partial sums (written by _phi_fc1_kernel); both launches' settings
-            M, nmax = B * G, max(cfg.d_k, cfg.d_v)
-            splits = triton.cdiv(l * nmax, PHI_BK)
-            self.part = torch.empty(2, splits, M, nmax, device=dev, dtype=torch.float32)
-            bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
-            shared = dict(G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BK=PHI_BK, NMAX=nmax, SPLITS=splits)
-            self.phi_fc1 = ((splits, triton.cdiv(nmax, PHI_BN), 2),
-                            dict(shared, BM=max(16, triton.next_power_of_2(M)), KC=PHI_KC, BN=PHI_BN,
-                                 PREC=precision(dt)))
-            self.phi_fc2 = ((M, 2), dict(shared, STRIDE=cfg.cmp_stride, BDK=bd[0], BDV=bd[1], BJ=min(32, *bd),
-                                         SP=triton.next_power_of_2(splits), num_warps=8))
-        else:                            # φ's inputs (mean), written by _span_kernel
+        gate, phi = m.gate, cfg.compress == "mlp"
+        mlps = (gate.fc1, gate.fc2) + ((m.cmp_k.fc1, m.cmp_k.fc2, m.cmp_v.fc1, m.cmp_v.fc2) if phi else ())
+        assert all(f.weight.is_contiguous() for f in mlps), "the MLPs' weights must be contiguous"
+        # the two launches of the small MLPs (the gate, and φ where it is an MLP): grids and settings fixed here
+        M, nmax, hid, nout = B * G, max(cfg.d_k, cfg.d_v), gate.fc1.out_features, gate.fc2.out_features
+        splits, splits_g = triton.cdiv(l * nmax, MLP_BK), triton.cdiv(D, MLP_BK)
+        self.gate_part = torch.empty(splits_g, B, hid, device=dev, dtype=torch.float32)
+        self.g = torch.empty(B, cfg.n_heads, 3, device=dev, dtype=gate.fc2.weight.dtype)
+        self.part = torch.empty(2 if phi else 0, splits, M, nmax, device=dev, dtype=torch.float32)
+        bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
+        shared = dict(PHI=phi, G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BK=MLP_BK, NMAX=nmax, SPLITS=splits)
+        jobs = 3 if phi else 1                   # program_id(2) / (1): the gate, then φ for k and v
+        self.fc1 = ((max(splits, splits_g) if phi else splits_g,
+                     triton.cdiv(max(nmax, hid) if phi else hid, MLP_BN), jobs),
+                    dict(shared, D_MODEL=D, HID=hid, BM=max(16, triton.next_power_of_2(max(M, B))), KC=min(MLP_KC, MLP_BK),
+                         BN=MLP_BN, PREC=precision(dt)))
+        bj = min(32, *bd)
+        self.fc2 = ((max(M, B), jobs, triton.cdiv(max(nmax, nout) if phi else nout, bj)),
+                    dict(shared, HID=hid, NOUT=nout, BHID=triton.next_power_of_2(hid), SPLITS_G=splits_g,
+                         SPG=triton.next_power_of_2(splits_g), STRIDE=cfg.cmp_stride, BDK=bd[0], BDV=bd[1],
+                         BJ=bj, SP=triton.next_power_of_2(splits), num_warps=FC2_WARPS))
+        if not phi:                              # φ's inputs (mean), written by _span_kernel
             self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)
             self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
@@ -214,33 +318,36 @@ class LayerDecodeStep:
         B = x.shape[0]
         t = self.next_t
         q, k, v = m.project(x)
-        self.attn._append(k[:, 0], v[:, 0], t)
-        self._compress(t)
-        g = m.gates(x)[:, 0].contiguous()                                   # [B, H, 3]
-        self.last = self.attn(q[:, 0], pos=t, gate=g)
+        kn, vn = k[:, 0].contiguous(), v[:, 0].contiguous()     # [B, G, d]: the new token, appended by the step
+        self._mlps(x[:, 0].contiguous(), kn, vn, t)              # the gate -> self.g; φ -> its compressed slot
+        self.last = self.attn(q[:, 0], kn, vn, pos=t, gate=self.g)
         out = m.o_proj(self.last.mixed.reshape(B, 1, -1))
-        c.pos.copy_(t)
-        t.add_(1)
+        _advance_kernel[(1,)](t, c.pos, B, BB=triton.next_power_of_2(B))
         c.length += 1
         self.length = c.length
         return out
 
-    def _compress(self, t: torch.Tensor) -> None:
-        """φ over raw tokens t−l+1 .. t into compressed slot (t+1−l)/d, where t completes it."""
+    def _mlps(self, x: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, t: torch.Tensor) -> None:
+        """The gate for x [B, D] -> self.g [B, H, 3], and φ over tokens t−l+1 .. t (token t: kn [B, G, d_k]
+        / vn [B, G, d_v], not in the cache yet) into compressed slot (t+1−l)/d, where t completes it."""
         m, c, cfg = self.m, self.cache, self.m.cfg
         B, G, l = c.k.shape[0], cfg.n_kv_heads, cfg.cmp_len
-        if cfg.compress == "mlp":        # the launches' grids and settings: fixed in __init__
-            pk, pv = m.cmp_k, m.cmp_v
-            (grid1, kw1), (grid2, kw2) = self.phi_fc1, self.phi_fc2
-            M = grid2[0]
-            _phi_fc1_kernel[grid1](c.k, c.v, pk.pe, pv.pe, pk.fc1.weight, pv.fc1.weight, t, self.part, c.k.stride(0),
-                                   c.k.stride(1), c.v.stride(0), c.v.stride(1), M, **kw1)
-            _phi_fc2_kernel[grid2](self.part, pk.fc1.bias, pv.fc1.bias, pk.fc2.weight, pv.fc2.weight, pk.fc2.bias,
-                                   pv.fc2.bias, c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0), c.k_cmp.stride(1),
-                                   c.v_cmp.stride(0), c.v_cmp.stride(1), M, **kw2)
+        gate, pk, pv = m.gate, m.cmp_k, m.cmp_v
+        phi = cfg.compress == "mlp"
+        (grid1, kw1), (grid2, kw2) = self.fc1, self.fc2
+        # φ = mean has no MLP tensors: its pointer arguments are the gate's, never read (PHI=False)
+        k_mlp = (pk.pe, pv.pe, pk.fc1.weight, pv.fc1.weight) if phi else (gate.fc1.weight,) * 4
+        _fc1_kernel[grid1](x, gate.fc1.weight, self.gate_part, c.k, c.v, kn, vn, *k_mlp, t, self.part, x.stride(0),
+                           c.k.stride(0), c.k.stride(1), c.v.stride(0), c.v.stride(1), B, B * G, **kw1)
+        k_out = ((pk.fc1.bias, pv.fc1.bias, pk.fc2.weight, pv.fc2.weight, pk.fc2.bias, pv.fc2.bias) if phi
+                 else (gate.fc1.bias,) * 6)
+        _fc2_kernel[grid2](self.gate_part, gate.fc1.bias, gate.fc2.weight, gate.fc2.bias, self.g, self.part, *k_out,
+                           c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0), c.k_cmp.stride(1), c.v_cmp.stride(0),
+                           c.v_cmp.stride(1), B, B * G, **kw2)
+        if phi:
             return
         bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
-        _span_kernel[(B, G)](c.k, c.v, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1), c.v.stride(0),
+        _span_kernel[(B, G)](c.k, c.v, kn, vn, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1), c.v.stride(0),
                              c.v.stride(1), G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BL=triton.next_power_of_2(l),
                              BDK=bd[0], BDV=bd[1])
         yk, yv = self.xk.view(B, G, l, -1).mean(2), self.xv.view(B, G, l, -1).mean(2)
