@@ -61,8 +61,9 @@ def test_layer_step_equals_module_decode(prefill, phi):
 
 @pytest.mark.parametrize("batch", [40])
 def test_phi_at_a_batch_past_one_tile_of_rows(batch):
-    """φ in the decode step over B·G = 80 rows (more than the 64 of the paper config at B=16, and
-    no power of two): the slot a step completes equals the module's φ over that span, every row."""
+    """φ and the gate in the decode step over B·G = 80 rows / B = 40 (more than the 64 of the paper
+    config at B=16, and no power of two): the slot a step completes equals the module's φ over that
+    span, and the gate the module's gate, every row."""
     from kernels.decode_layer import LayerDecodeStep
     CFG = CFGS["mlp"]
     why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
@@ -75,7 +76,9 @@ def test_phi_at_a_batch_past_one_tile_of_rows(batch):
     cache = DecodeCache(CFG, batch, t + 1, device=DEV)
     with torch.no_grad():
         m(x[:, :t], cache=cache)
-        LayerDecodeStep(m, cache)(x[:, t:t + 1])
+        step = LayerDecodeStep(m, cache)
+        step(x[:, t:t + 1])
+        torch.testing.assert_close(step.g, m.gates(x[:, t:t + 1])[:, 0], rtol=1e-5, atol=1e-5)
         slot = (t + 1 - CFG.cmp_len) // CFG.cmp_stride
         span = slice(t + 1 - CFG.cmp_len, t + 1)
         for got, phi, raw in ((cache.k_cmp, m.cmp_k, cache.k), (cache.v_cmp, m.cmp_v, cache.v)):
