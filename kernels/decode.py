@@ -1060,9 +1060,6 @@ class DecodeStep:
                                 gate=gate, ws=self.ws, p=self.plan,
                                 append=None if k_new is None else (k_new, v_new))
 
-    def _append(self, k_new, v_new, pos) -> None:
-        append_token(self.cache.k, self.cache.v, k_new, v_new, pos, self.cfg, self.plan.gdc)
-
 
 def append_token(k, v, k_new, v_new, pos, cfg: NSAConfig, gdc: int = 0) -> None:
     """Write the new token's k_new [B, G, d_k] / v_new [B, G, d_v] into the caches k/v at pos (one launch)."""

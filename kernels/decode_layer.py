@@ -296,9 +296,11 @@ class LayerDecodeStep:
                     dict(shared, HID=hid, NOUT=nout, BHID=triton.next_power_of_2(hid), SPLITS_G=splits_g,
                          SPG=triton.next_power_of_2(splits_g), STRIDE=cfg.cmp_stride, BDK=bd[0], BDV=bd[1],
                          BJ=bj, SP=triton.next_power_of_2(splits), num_warps=FC2_WARPS))
-        if not phi:                              # φ's inputs (mean), written by _span_kernel
+        if not phi:                              # φ's inputs (mean), written by _span_kernel; its launches' settings
             self.xk = torch.empty(B, G, l * cfg.d_k, device=dev, dtype=dt)
             self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
+            self.span = dict(G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1])
+        self.bb = triton.next_power_of_2(B)      # _advance_kernel's lanes
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
         self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
         self.last: StepOut | None = None
@@ -322,7 +324,7 @@ class LayerDecodeStep:
         self._mlps(x[:, 0].contiguous(), kn, vn, t)              # the gate -> self.g; φ -> its compressed slot
         self.last = self.attn(q[:, 0], kn, vn, pos=t, gate=self.g)
         out = m.o_proj(self.last.mixed.reshape(B, 1, -1))
-        _advance_kernel[(1,)](t, c.pos, B, BB=triton.next_power_of_2(B))
+        _advance_kernel[(1,)](t, c.pos, B, BB=self.bb)
         c.length += 1
         self.length = c.length
         return out
@@ -346,11 +348,9 @@ class LayerDecodeStep:
                            c.v_cmp.stride(1), B, B * G, **kw2)
         if phi:
             return
-        bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
         _span_kernel[(B, G)](c.k, c.v, kn, vn, t, self.xk, self.xv, c.k.stride(0), c.k.stride(1), c.v.stride(0),
-                             c.v.stride(1), G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BL=triton.next_power_of_2(l),
-                             BDK=bd[0], BDV=bd[1])
+                             c.v.stride(1), BL=triton.next_power_of_2(l), **self.span)
         yk, yv = self.xk.view(B, G, l, -1).mean(2), self.xv.view(B, G, l, -1).mean(2)
         _store_kernel[(B, G)](yk.contiguous(), yv.contiguous(), c.k_cmp, c.v_cmp, t, c.k_cmp.stride(0),
-                              c.k_cmp.stride(1), c.v_cmp.stride(0), c.v_cmp.stride(1), G=G, L=l,
-                              STRIDE=cfg.cmp_stride, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1])
+                              c.k_cmp.stride(1), c.v_cmp.stride(0), c.v_cmp.stride(1), STRIDE=cfg.cmp_stride,
+                              **self.span)
