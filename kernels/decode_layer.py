@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kernels.common import precision
 from kernels.decode import DecodeStep, StepOut
+from nsa_core import dispatch
 
 # fc1 of the step's small MLPs (φ for k and v, the gate): inputs per program (a K-chunk), per product, and columns
 # per program; warps of an fc2 program (which takes BJ = 32 outputs). H100, paper config, bf16, the whole layer step
@@ -187,25 +188,36 @@ def _fc1_kernel(X, W1_G, PART_G, K, V, KN, VN, PE_K, PE_V, W1_K, W1_V, T, PART, 
 
 
 @triton.jit
+def _fc2_chunk(PART, first, split_stride, splits, B1, W2, B2, j0, N_IN: tl.constexpr, N_OUT: tl.constexpr,
+               BIN: tl.constexpr, BJ: tl.constexpr, SP: tl.constexpr):
+    """Outputs j0 .. j0+BJ−1 of one row's fc2 -> (y [BJ] fp32, j, j_ok): h = silu(Σ_s PART[first + s ·
+    split_stride + i] + b1) over the N_IN hidden units (the fc1 partials of ``splits`` K-chunks),
+    y = W2·h + b2 (W2 [N_OUT, N_IN] row-major)."""
+    cols = tl.arange(0, BIN)
+    c_ok = cols < N_IN
+    sp = tl.arange(0, SP)                       # every split's partial in one load (not a chain of them)
+    part = tl.load(PART + first + sp[:, None] * split_stride + cols[None, :],
+                   mask=(sp < splits)[:, None] & c_ok[None, :], other=0.0)
+    h = tl.sum(part, 0) + tl.load(B1 + cols, mask=c_ok, other=0.0).to(tl.float32)
+    h = h * tl.sigmoid(h)                                                                       # silu
+    j = j0 + tl.arange(0, BJ)
+    j_ok = j < N_OUT
+    w = tl.load(W2 + j[:, None] * N_IN + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    return y, j, j_ok
+
+
+@triton.jit
 def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, j0, sb, sn, M, G: tl.constexpr, L: tl.constexpr,
                  STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, NMAX: tl.constexpr,
                  BJ: tl.constexpr, SP: tl.constexpr):
-    """Row r = b·G + g, outputs j0 .. j0+BJ−1: h = silu(Σ_splits partials + b1), y = W2·h + b2, written
-    (the cache's dtype) to compressed slot (t+1−L)/STRIDE where token t completes that span; else nothing."""
-    cols = tl.arange(0, BD)
-    c_ok = cols < D
-    sp = tl.arange(0, SP)                       # every split's partial in one load (not a chain of them)
-    part = tl.load(PART + part_base + (sp[:, None] * M + r) * NMAX + cols[None, :],
-                   mask=(sp < tl.cdiv(L * D, BK))[:, None] & c_ok[None, :], other=0.0)
-    h = tl.sum(part, 0) + tl.load(B1 + cols, mask=c_ok, other=0.0).to(tl.float32)
-    h = h * tl.sigmoid(h)                                                                       # silu
+    """φ's row r = b·G + g, outputs j0 .. j0+BJ−1, written (the cache's dtype) to compressed slot
+    (t+1−L)/STRIDE where token t completes that span; else nothing."""
+    y, j, j_ok = _fc2_chunk(PART, part_base + r * NMAX, M * NMAX, tl.cdiv(L * D, BK), B1, W2, B2, j0, D, D, BD,
+                            BJ, SP)
     b, g = r // G, r % G
     start = tl.load(T + b).to(tl.int64) + 1 - L
     slot = tl.maximum(start, 0) // STRIDE
-    j = j0 + tl.arange(0, BJ)
-    j_ok = j < D
-    w = tl.load(W2 + j[:, None] * D + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
-    y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
     tl.store(C + b.to(tl.int64) * sb + slot * sn + g * D + j, y.to(C.dtype.element_ty),
              mask=j_ok & _completes(start, j, STRIDE))
 
@@ -213,19 +225,9 @@ def _phi_fc2_row(PART, part_base, B1, W2, B2, C, T, r, j0, sb, sn, M, G: tl.cons
 @triton.jit
 def _gate_fc2_row(PART, B1, W2, B2, OUT, r, j0, B, HID: tl.constexpr, NOUT: tl.constexpr, BHID: tl.constexpr,
                   BJ: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Batch row r, outputs j0 .. j0+BJ−1: h = silu(Σ_splits partials + b1), OUT[r, j] = sigmoid(W2·h + b2)[j]
-    (OUT [B, NOUT = 3·H], its dtype)."""
-    cols = tl.arange(0, BHID)
-    c_ok = cols < HID
-    sp = tl.arange(0, SP)
-    part = tl.load(PART + (sp[:, None] * B + r) * HID + cols[None, :], mask=(sp < SPLITS)[:, None] & c_ok[None, :],
-                   other=0.0)
-    h = tl.sum(part, 0) + tl.load(B1 + cols, mask=c_ok, other=0.0).to(tl.float32)
-    h = h * tl.sigmoid(h)                                                                       # silu
-    j = j0 + tl.arange(0, BJ)
-    j_ok = j < NOUT
-    w = tl.load(W2 + j[:, None] * HID + cols[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
-    y = tl.sum(w.to(tl.float32) * h[None, :], 1) + tl.load(B2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    """The gate's batch row r, outputs j0 .. j0+BJ−1: OUT[r, j] = sigmoid(y)[j] (OUT [B, NOUT = 3·H],
+    its dtype)."""
+    y, j, j_ok = _fc2_chunk(PART, r * HID, B * HID, SPLITS, B1, W2, B2, j0, HID, NOUT, BHID, BJ, SP)
     tl.store(OUT + r * NOUT + j, tl.sigmoid(y).to(OUT.dtype.element_ty), mask=j_ok)
 
 
@@ -304,6 +306,7 @@ class LayerDecodeStep:
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
         self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
         self.last: StepOut | None = None
+        self._graph: tuple | None = None    # (CUDA graph, its input, its output, what it was captured for, its notes)
 
     def seek(self, t: int) -> None:
         """Continue at position t: the next step appends token t, as if tokens t.. had not been
@@ -328,6 +331,40 @@ class LayerDecodeStep:
         c.length += 1
         self.length = c.length
         return out
+
+    @torch.no_grad()
+    def replay(self, x: torch.Tensor) -> torch.Tensor:
+        """As ``__call__``, from a CUDA graph of the step captured at the first call (GPU only): one
+        graph launch instead of a dozen kernel launches from Python. Returns out [B, 1, D], a buffer
+        the next call overwrites. Captured again where x's shape or dtype, or where a parameter of
+        the module lives (``data_ptr``: e.g. after ``.to()``), is not what it was captured for."""
+        c = self.cache
+        if c.length >= c.max_len:
+            raise ValueError(f"DecodeCache full: {c.length} + 1 > max_len {c.max_len}")
+        key = (x.shape, x.dtype, tuple(p.data_ptr() for p in self.m.parameters()))
+        if self._graph is None or self._graph[3] != key:
+            self._capture(x, key)
+        graph, x_in, out, _, notes = self._graph
+        x_in.copy_(x)
+        graph.replay()                     # advances next_t and the cache's pos on the device
+        dispatch.replay(notes)             # the kernels the capture recorded ran again
+        c.length += 1
+        self.length = c.length
+        return out
+
+    def _capture(self, x: torch.Tensor, key: tuple) -> None:
+        t, x_in = self.length, x.clone()
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):      # compiles and warms up: decodes token t, written again by the replay
+            self(x_in)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        self.seek(t)
+        graph = torch.cuda.CUDAGraph()
+        with dispatch.diverted() as notes, torch.cuda.graph(graph):    # recorded, not run: no notes outside
+            out = self(x_in)
+        self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
+        self._graph = (graph, x_in, out, key, notes)
 
     def _mlps(self, x: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, t: torch.Tensor) -> None:
         """The gate for x [B, D] -> self.g [B, H, 3], and φ over tokens t−l+1 .. t (token t: kn [B, G, d_k]

@@ -92,3 +92,25 @@ def capture() -> Iterator[DispatchLog]:
     finally:
         with _lock:
             _logs.remove(log)
+
+
+@contextmanager
+def diverted() -> Iterator[DispatchLog]:
+    """Notes made inside go to a log of their own, not to the logs active outside: for work that is
+    recorded rather than run (a CUDA graph's capture), whose replays ``replay`` the notes."""
+    global _logs
+    log = DispatchLog()
+    with _lock:
+        outer, _logs = _logs, [log]
+    try:
+        yield log
+    finally:
+        with _lock:
+            _logs = outer
+
+
+def replay(log: DispatchLog) -> None:
+    """Note again what ``log`` holds: the work it recorded ran once more (a CUDA graph's replay)."""
+    with _lock:
+        for outer in _logs:
+            outer.counts.update(log.counts)

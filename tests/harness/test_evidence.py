@@ -107,3 +107,19 @@ def test_a_wrapper_that_lies_about_its_backend_fails_the_fa2_suite():
     rigged = run("-p", "tests.harness.rigs.flash_attn_is_varlen")
     assert rigged.returncode == 1, rigged.stdout[-2000:]
     assert "the GPU ran no flash_attn kernel" in rigged.stdout and "pytorch_flash" in rigged.stdout
+
+
+def test_notes_of_recorded_work_reach_outer_logs_only_when_replayed():
+    """A CUDA graph's capture records kernels without running them: its notes must not count as runs
+    (``dispatch.diverted``), and each replay counts them once (``dispatch.replay``)."""
+    from nsa_core import dispatch
+    with dispatch.capture() as outer:
+        dispatch.note("decode", "win", "triton")                 # ran
+        with dispatch.diverted() as recorded:
+            dispatch.note("decode", "cmp", "triton")             # recorded only
+        assert outer.ran("decode", "cmp", "triton") == 0 and recorded.ran("decode", "cmp", "triton") == 1
+        dispatch.replay(recorded)
+        dispatch.replay(recorded)
+        dispatch.note("decode", "sel", "triton")                 # the outer logs are back
+    assert outer.ran("decode", "cmp", "triton") == 2
+    assert outer.ran("decode", "win", "triton") == outer.ran("decode", "sel", "triton") == 1

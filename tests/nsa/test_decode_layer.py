@@ -52,11 +52,43 @@ def test_layer_step_equals_module_decode(prefill, phi):
             assert torch.equal(info_m.idx, info.idx), f"t={t}: the module's selected blocks differ"
             assert all(torch.equal(info_m.reads[br], info.reads[br]) for br in info.reads), f"t={t}: reads differ"
     assert mod_cache.length == cache.length
+    if DEV == "cuda":                       # on a GPU the module's route replayed the step from a CUDA graph
+        assert mod_cache.kernel_state[(routing.TRITON, "layer")][1]._graph is not None
     assert cache.length == ref_cache.length and int(cache.pos[0]) == prefill + steps - 1
     n = CFG.n_cmp_total(prefill + steps)
     torch.testing.assert_close(cache.k_cmp[:, :n], ref_cache.k_cmp[:, :n], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cache.v_cmp[:, :n], ref_cache.v_cmp[:, :n], rtol=1e-6, atol=1e-6)
     assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
+
+
+def test_module_decode_captures_again_where_a_parameter_was_replaced():
+    """The Triton route replays a CUDA graph that reads the module's weights where they lived at
+    capture: a parameter replaced by a new tensor (not updated in place) must make the next decode
+    capture again, or it would read the old tensor (here kept and overwritten with NaN, as freed
+    memory may be). Output vs the torch route, same weights."""
+    if DEV != "cuda":
+        pytest.skip("the route replays a CUDA graph only on a CUDA GPU")
+    CFG = CFGS["mlp"]
+    torch.manual_seed(6)
+    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
+    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 8, CFG.d_model, device=DEV)
+    cache, ref_cache = (DecodeCache(CFG, 2, 8, device=DEV) for _ in range(2))
+    with torch.no_grad():
+        for t in range(8):
+            if t == 4:                      # o_proj's and the gate's fc1 weights replaced by new tensors
+                for lin, ref_lin in ((m.o_proj, ref.o_proj), (m.gate.fc1, ref.gate.fc1)):
+                    old, new = lin.weight, torch.randn_like(lin.weight)
+                    lin.weight = torch.nn.Parameter(new.clone())
+                    ref_lin.weight.copy_(new)
+                    old.fill_(float("nan"))
+            with routing.capture() as log:
+                got, _ = m.decode(x[:, t:t + 1], cache)
+            assert log.backends("decode")["step"] == ["triton"], log.backends("decode")
+            want, _ = ref.decode(x[:, t:t + 1], ref_cache)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+    assert cache.kernel_state[(routing.TRITON, "layer")][1]._graph is not None
 
 
 @pytest.mark.parametrize("batch", [40])
