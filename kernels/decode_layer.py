@@ -361,7 +361,9 @@ class LayerDecodeStep:
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.seek(t)
         graph = torch.cuda.CUDAGraph()
-        with dispatch.diverted() as notes, torch.cuda.graph(graph):    # recorded, not run: no notes outside
+        # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
+        # whichever GPU was current at the process's first capture)
+        with dispatch.diverted() as notes, torch.cuda.graph(graph, stream=side):
             out = self(x_in)
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
         self._graph = (graph, x_in, out, key, notes)

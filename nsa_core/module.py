@@ -10,6 +10,7 @@ Shapes: x [B, S, D] -> out [B, S, D]; H = G·h query heads of size d_k, G KV hea
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,20 @@ RECOMPUTE_PHI_FROM = 2 ** 25
 backward instead of keeping it (with the paper's l=32, d=16 and G=4: from 64k tokens at d 128,
 6.7e7; 32k tokens have 3.35e7, just under). Not below: the recompute costs ~1 ms of host time, which
 a short, launch-bound backward would feel."""
+
+
+def _on_input_device(method):
+    """Run ``method(self, x, ...)`` with x's GPU as the current device. Triton launches a kernel on
+    the current device's stream, whatever its tensors' device: a layer placed on a GPU other than
+    the current one (``.to("cuda:1")``, as pipeline-parallel code does) would otherwise launch its
+    kernels on the wrong GPU. The autograd engine makes each backward's GPU current itself."""
+    @functools.wraps(method)
+    def run(self, x, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return method(self, x, *args, **kwargs)
+        return method(self, x, *args, **kwargs)
+    return run
 
 
 @dataclass
@@ -179,6 +194,7 @@ class NSAAttention(nn.Module):
         return self.o_proj(o.reshape(B, S, -1))
 
     # -- prefill -------------------------------------------------------------------------
+    @_on_input_device
     def forward(self, x: torch.Tensor, *, only: str | None = None,
                 cache: DecodeCache | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill x [B, S, D] -> [B, S, D]. ``cache`` (empty) is filled for later decode steps.
@@ -247,6 +263,7 @@ class NSAAttention(nn.Module):
             routing.note(routing.PREFILL, "select", routing.TORCH)
             return tb.select_blocks(q, k_cmp, self.cfg)
 
+    @_on_input_device
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks prefill would select for x [B, S, D]: idx [B, S, G, n] (ascending, -1 padded)."""
         q, k, _ = self.project(x)
@@ -258,6 +275,7 @@ class NSAAttention(nn.Module):
         cache.write_prefill(k, v, self.cmp_k(k), self.cmp_v(v))
 
     # -- decode --------------------------------------------------------------------------
+    @_on_input_device
     def decode(self, x: torch.Tensor, cache: DecodeCache, *,
                only: str | None = None) -> tuple[torch.Tensor, StepInfo]:
         """One decode step: x [B, 1, D] is token t = cache.length. Appends it to the cache and
