@@ -217,8 +217,8 @@ def decode_layer(m, x, cache):
     {branch: reads [B, G] int64}, idx [B, G, n] int64) on ``LayerDecodeStep`` (position on the
     device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
-    On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.replay``), unless the caller
-    is capturing one itself; out is then copied out of the graph's buffer."""
+    On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.replay``: new tensors copied
+    out of the graph's buffers), unless the caller is capturing one itself."""
     key = (routing.TRITON, "layer")
     held = cache.kernel_state.get(key)
     if held is None or held[0] is not m:
@@ -227,10 +227,13 @@ def decode_layer(m, x, cache):
     step = held[1]
     if step.length != cache.length:
         step.seek(cache.length)
-    out = step.replay(x).clone() if x.is_cuda and not torch.cuda.is_current_stream_capturing() else step(x)
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        out, reads, idx = step.replay(x)
+    else:
+        out = step(x)
+        reads, idx = {br: n.long() for br, n in step.last.reads.items()}, step.last.idx.long()
     routing.note(routing.DECODE, "step", routing.TRITON)
-    r = step.last
-    return out, {br: n.long() for br, n in r.reads.items()}, r.idx.long()
+    return out, reads, idx
 
 
 routing.register(routing.DECODE, "layer", routing.TRITON, decode_layer, triton_unavailable)

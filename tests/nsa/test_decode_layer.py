@@ -38,6 +38,7 @@ def test_layer_step_equals_module_decode(prefill, phi):
             for c in (ref_cache, cache, mod_cache):
                 m(x[:, :prefill], cache=c)
         step = LayerDecodeStep(m, cache)
+        kept = []                           # the module's results, held across later steps
         for t in range(prefill, prefill + steps):
             with routing.capture() as log:
                 want, info = ref.decode(x[:, t:t + 1], ref_cache)
@@ -51,6 +52,9 @@ def test_layer_step_equals_module_decode(prefill, phi):
             torch.testing.assert_close(got_m, want, rtol=1e-5, atol=1e-5, msg=f"t={t} (module, Triton route)")
             assert torch.equal(info_m.idx, info.idx), f"t={t}: the module's selected blocks differ"
             assert all(torch.equal(info_m.reads[br], info.reads[br]) for br in info.reads), f"t={t}: reads differ"
+            kept.append(((got_m, info_m.idx, *info_m.reads.values()), (want, info.idx, *info.reads.values())))
+    for i, (held, ref_held) in enumerate(kept):     # not buffers that a later step overwrote
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(held, ref_held)), f"step {i} changed"
     assert mod_cache.length == cache.length
     if DEV == "cuda":                       # on a GPU the module's route replayed the step from a CUDA graph
         assert mod_cache.kernel_state[(routing.TRITON, "layer")][1]._graph is not None
