@@ -319,7 +319,9 @@ class LayerDecodeStep:
         self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
         self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
         self.last: StepOut | None = None
-        self._graph: tuple | None = None    # (CUDA graph, its input, its output, what it was captured for, its notes)
+        # (CUDA graph, its input, its outputs (out, reads and blocks as int64, the reads' branches), what it was
+        # captured for, its notes)
+        self._graph: tuple | None = None
 
     def seek(self, t: int) -> None:
         """Continue at position t: the next step appends token t, as if tokens t.. had not been
@@ -359,14 +361,13 @@ class LayerDecodeStep:
         key = (x.shape, x.dtype, tuple(_param_ptrs(self.m, [])))
         if self._graph is None or self._graph[3] != key:
             self._capture(x, key)
-        graph, x_in, (out, info), _, notes = self._graph
+        graph, x_in, (out, info, names), _, notes = self._graph
         x_in.copy_(x)
         graph.replay()                     # advances next_t and the cache's pos on the device
         dispatch.replay(notes)             # the kernels the capture recorded ran again
         c.length += 1
         self.length = c.length
         info = info.clone()
-        names = list(self.last.reads)
         return out.clone(), {br: info[..., i] for i, br in enumerate(names)}, info[..., len(names):]
 
     def _capture(self, x: torch.Tensor, key: tuple) -> None:
@@ -385,7 +386,7 @@ class LayerDecodeStep:
             r = self.last                  # [B, G, 3 + n] int64: each branch's reads, then the blocks
             info = torch.cat([torch.stack(list(r.reads.values()), -1), r.idx], -1).long()
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
-        self._graph = (graph, x_in, (out, info), key, notes)
+        self._graph = (graph, x_in, (out, info, list(r.reads)), key, notes)
 
     def _mlps(self, x: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, t: torch.Tensor) -> None:
         """The gate for x [B, D] -> self.g [B, H, 3], and φ over tokens t−l+1 .. t (token t: kn [B, G, d_k]

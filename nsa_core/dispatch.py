@@ -42,19 +42,26 @@ class DispatchLog:
 # a kernel's backward must be seen by the capture that wrapped the forward.
 _logs: list[DispatchLog] = []
 _lock = threading.Lock()
+# Per thread, though: a CUDA graph's capture (``diverted``) records the capturing thread's work only.
+_diverted = threading.local()
+
+
+def _targets() -> list[DispatchLog]:
+    log = getattr(_diverted, "log", None)
+    return _logs if log is None else [log]
 
 
 def note(phase: str, branch: str, backend: str) -> None:
     """Called by every branch implementation when it actually runs."""
     with _lock:
-        for log in _logs:
+        for log in _targets():
             log.counts[(phase, branch, backend)] += 1
 
 
 def decided(phase: str, branch: str, backend: str, reason: str, query: str) -> None:
     """Called by the routing policy for each decision, so a run records what it was asked and chose."""
     with _lock:
-        for log in _logs:
+        for log in _targets():
             log.decisions.setdefault((phase, branch), set()).add(f"{backend}: {reason} ({query})")
 
 
@@ -99,21 +106,19 @@ def capture() -> Iterator[DispatchLog]:
 
 @contextmanager
 def diverted() -> Iterator[DispatchLog]:
-    """Notes made inside go to a log of their own, not to the logs active outside: for work that is
-    recorded rather than run (a CUDA graph's capture), whose replays ``replay`` the notes."""
-    global _logs
-    log = DispatchLog()
-    with _lock:
-        outer, _logs = _logs, [log]
+    """Notes this thread makes inside go to a log of their own, not to the logs active outside: for
+    work that is recorded rather than run (a CUDA graph's capture), whose replays ``replay`` the
+    notes. Other threads' notes are not diverted."""
+    log, outer = DispatchLog(), getattr(_diverted, "log", None)
+    _diverted.log = log
     try:
         yield log
     finally:
-        with _lock:
-            _logs = outer
+        _diverted.log = outer
 
 
 def replay(log: DispatchLog) -> None:
     """Note again what ``log`` holds: the work it recorded ran once more (a CUDA graph's replay)."""
     with _lock:
-        for outer in _logs:
+        for outer in _targets():
             outer.counts.update(log.counts)

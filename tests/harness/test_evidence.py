@@ -123,3 +123,15 @@ def test_notes_of_recorded_work_reach_outer_logs_only_when_replayed():
         dispatch.note("decode", "sel", "triton")                 # the outer logs are back
     assert outer.ran("decode", "cmp", "triton") == 2
     assert outer.ran("decode", "win", "triton") == outer.ran("decode", "sel", "triton") == 1
+
+
+def test_a_capture_diverts_only_its_own_threads_notes():
+    """Another thread's kernels run (and are noted) while this one captures a graph."""
+    import threading
+    from nsa_core import dispatch
+    with dispatch.capture() as outer:
+        with dispatch.diverted() as recorded:
+            other = threading.Thread(target=dispatch.note, args=("prefill", "sel", "triton"))
+            other.start()
+            other.join()
+    assert outer.ran("prefill", "sel", "triton") == 1 and recorded.ran("prefill", "sel", "triton") == 0
