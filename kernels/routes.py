@@ -219,9 +219,8 @@ def decode_layer(m, x, cache):
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
     On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.replay``: new tensors copied
     out of the graph's buffers). Under a caller's own capture the eager step is recorded instead (no
-    graph inside a graph), but the cache's host length then advances once, not per replay: to
-    replay decode steps from a graph of your own, capture ``LayerDecodeStep`` and ``seek`` as the
-    decode bench does."""
+    graph inside a graph), but the cache's host length then advances once, not per replay: not a
+    supported use (the decode bench captures ``LayerDecodeStep`` with a ``seek`` to one position)."""
     key = (routing.TRITON, "layer")
     held = cache.kernel_state.get(key)
     if held is None or held[0] is not m:
