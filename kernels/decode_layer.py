@@ -280,6 +280,17 @@ def _param_ptrs(mod, out: list) -> list:
     return out
 
 
+def _int64_info(r: StepOut) -> tuple[torch.Tensor, list[str]]:
+    """A step's reads and blocks as one int64 tensor [B, G, branches + n] (each branch's reads, then
+    the blocks) and the branches' names: one copy for the caller to take, not one per tensor."""
+    return torch.cat([torch.stack(list(r.reads.values()), -1), r.idx], -1).long(), list(r.reads)
+
+
+def _unpack(info: torch.Tensor, names: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({branch: reads [B, G]}, idx [B, G, n]): views into ``_int64_info``'s tensor."""
+    return {br: info[..., i] for i, br in enumerate(names)}, info[..., len(names):]
+
+
 class LayerDecodeStep:
     """One NSA layer decode step for module ``m`` over ``cache`` (which holds ``cache.length``
     tokens, e.g. after a prefill); buffers and plan are made once, here."""
@@ -330,11 +341,15 @@ class LayerDecodeStep:
         self.next_t.fill_(t)
         self.cache.length = self.length = t
 
-    @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, c = self.m, self.cache
+    def _check_room(self) -> None:
+        c = self.cache
         if c.length >= c.max_len:
             raise ValueError(f"DecodeCache full: {c.length} + 1 > max_len {c.max_len}")
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_room()
+        m, c = self.m, self.cache
         B = x.shape[0]
         t = self.next_t
         q, k, v = m.project(x)
@@ -348,16 +363,24 @@ class LayerDecodeStep:
         return out
 
     @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The step as ``NSAAttention.decode`` runs it -> new tensors (out [B, 1, D], {branch: reads
+        [B, G] int64}, idx [B, G, n] int64): replayed from a CUDA graph on a GPU (``replay``); run
+        eagerly elsewhere, and where a caller is capturing a graph itself (no graph inside a graph)."""
+        if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+            return self.replay(x)
+        out = self(x)
+        return (out, *_unpack(*_int64_info(self.last)))
+
+    @torch.no_grad()
     def replay(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """As ``__call__``, from a CUDA graph of the step captured at the first call (GPU only): one
-        graph launch instead of a dozen kernel launches from Python. Returns new tensors (out
-        [B, 1, D], {branch: reads [B, G] int64}, idx [B, G, n] int64): the graph's int64 copy of
-        ``last``'s reads and blocks is copied out with one clone (views into it), as out with one.
-        Captured again where x's shape or dtype, or where a parameter of the module lives (its
-        ``data_ptr``: a parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only): one
+        graph launch instead of a dozen kernel launches from Python. The graph's out and int64 copy
+        of the reads and blocks are copied out with one clone each (the reads and blocks views into
+        theirs). Captured again where x's shape or dtype, or where a parameter of the module lives
+        (its ``data_ptr``: a parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        self._check_room()
         c = self.cache
-        if c.length >= c.max_len:
-            raise ValueError(f"DecodeCache full: {c.length} + 1 > max_len {c.max_len}")
         key = (x.shape, x.dtype, tuple(_param_ptrs(self.m, [])))
         if self._graph is None or self._graph[3] != key:
             self._capture(x, key)
@@ -367,8 +390,7 @@ class LayerDecodeStep:
         dispatch.replay(notes)             # the kernels the capture recorded ran again
         c.length += 1
         self.length = c.length
-        info = info.clone()
-        return out.clone(), {br: info[..., i] for i, br in enumerate(names)}, info[..., len(names):]
+        return (out.clone(), *_unpack(info.clone(), names))
 
     def _capture(self, x: torch.Tensor, key: tuple) -> None:
         t, x_in = self.length, x.clone()
@@ -383,10 +405,9 @@ class LayerDecodeStep:
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, torch.cuda.graph(graph, stream=side):
             out = self(x_in)
-            r = self.last                  # [B, G, 3 + n] int64: each branch's reads, then the blocks
-            info = torch.cat([torch.stack(list(r.reads.values()), -1), r.idx], -1).long()
+            info, names = _int64_info(self.last)
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
-        self._graph = (graph, x_in, (out, info, list(r.reads)), key, notes)
+        self._graph = (graph, x_in, (out, info, names), key, notes)
 
     def _mlps(self, x: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, t: torch.Tensor) -> None:
         """The gate for x [B, D] -> self.g [B, H, 3], and φ over tokens t−l+1 .. t (token t: kn [B, G, d_k]

@@ -217,10 +217,10 @@ def decode_layer(m, x, cache):
     {branch: reads [B, G] int64}, idx [B, G, n] int64) on ``LayerDecodeStep`` (position on the
     device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
-    On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.replay``: new tensors copied
-    out of the graph's buffers). Under a caller's own capture the eager step is recorded instead (no
-    graph inside a graph), but the cache's host length then advances once, not per replay: not a
-    supported use (the decode bench captures ``LayerDecodeStep`` with a ``seek`` to one position)."""
+    On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.decode``). Under a caller's
+    own capture the eager step is recorded instead, but the cache's host length then advances once,
+    not per replay: not a supported use (the decode bench captures ``LayerDecodeStep`` with a
+    ``seek`` to one position)."""
     key = (routing.TRITON, "layer")
     held = cache.kernel_state.get(key)
     if held is None or held[0] is not m:
@@ -229,11 +229,7 @@ def decode_layer(m, x, cache):
     step = held[1]
     if step.length != cache.length:
         step.seek(cache.length)
-    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        out, reads, idx = step.replay(x)
-    else:
-        out = step(x)
-        reads, idx = {br: n.long() for br, n in step.last.reads.items()}, step.last.idx.long()
+    out, reads, idx = step.decode(x)
     routing.note(routing.DECODE, "step", routing.TRITON)
     return out, reads, idx
 

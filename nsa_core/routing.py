@@ -39,6 +39,15 @@ class RoutingPolicy:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def triton_everywhere(cls, **overrides) -> RoutingPolicy:
+        """Every prefill stage (selection, compressed attention, block selection, mix, window) on the
+        Triton kernels at every length, so the layer runs its one op; ``overrides`` set other fields
+        (``decode_backend="triton"``, or a threshold back to None)."""
+        stages = dict(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0, mix_triton_min_len=0,
+                      win_triton_min_len=0)
+        return cls(**{**stages, **overrides})
+
 
 # Backends and phases by name (the dispatch log and the results record these strings).
 TORCH, TRITON, FA2 = "torch", "triton", "fa2"

@@ -803,9 +803,8 @@ def _kernel_module(cfg: NSAConfig, dtype, window_too: bool) -> NSAAttention:
     """NSAAttention with compressed attention, block selection, the selection branch and the mix routed
     to the kernels at every length, and the window too when ``window_too`` (then the layer runs the
     one op of kernels/branches.py)."""
-    return NSAAttention(cfg, RoutingPolicy(sel_triton_min_len=0, cmp_triton_min_len=0, select_triton_min_len=0,
-                                           mix_triton_min_len=0, win_triton_min_len=0 if window_too else None)
-                        ).to(DEV).to(dtype)
+    policy = RoutingPolicy.triton_everywhere(**({} if window_too else {"win_triton_min_len": None}))
+    return NSAAttention(cfg, policy).to(DEV).to(dtype)
 
 
 @pytest.mark.parametrize("path", ["per-branch", "fused"])
@@ -1056,8 +1055,7 @@ def test_route_bench(S, record, extra):
     parts = {br: mk(1, S, cfg.n_heads, cfg.d_v) for br in routing.BRANCHES}
     gm = torch.randn(1, S, cfg.d_model, device=DEV).to(dtype)
     policies = {"torch": RoutingPolicy(),
-                "triton": RoutingPolicy(cmp_triton_min_len=0, select_triton_min_len=0, mix_triton_min_len=0,
-                                        win_triton_min_len=0)}
+                "triton": RoutingPolicy.triton_everywhere(sel_triton_min_len=None)}
     from kernels import fa2
     if fa2.unavailable("flash_attn", device=DEV, dtype=dtype, d_k=cfg.d_k, d_v=cfg.d_v, window=True) is None:
         policies["fa2"] = RoutingPolicy(fa2_min_len_win=0, fa2_backend="flash_attn")

@@ -9,8 +9,7 @@ from nsa_validate.bench import layer
 from nsa_validate.extra import SuiteExtra
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TRITON_EVERYWHERE = routing.RoutingPolicy(sel_triton_min_len=1, cmp_triton_min_len=1, select_triton_min_len=1,
-                                          mix_triton_min_len=1, win_triton_min_len=1)
+TRITON_EVERYWHERE = routing.RoutingPolicy.triton_everywhere()
 
 
 def test_one_op_only_where_every_stage_is_on_triton():

@@ -12,8 +12,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402,F401  (registers the Triton routes)
 
 CFG = tiny(d_model=32, n_kv_heads=2)
-EVERY_STAGE_ON_TRITON = RoutingPolicy(sel_triton_min_len=1, cmp_triton_min_len=1, select_triton_min_len=1,
-                                      mix_triton_min_len=1, win_triton_min_len=1, decode_backend="triton")
+EVERY_STAGE_ON_TRITON = RoutingPolicy.triton_everywhere(decode_backend="triton")
 
 
 def _run(m, x, steps: int):
