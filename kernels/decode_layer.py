@@ -31,7 +31,8 @@ the same work as device operations of fixed shapes, so a whole layer step (proje
 * the three branches and the gate mix run in ``kernels.decode.DecodeStep``, whose first launch
   appends the new token to the cache, as in the attention step the decode bench times.
 
-Shapes: x [B, 1, D] -> out [B, 1, D]. The cache's host ``length`` is advanced by ``__call__``.
+Shapes: x [B, 1, D] -> out [B, 1, D]. The cache's host ``length`` is advanced by ``__call__`` (where the
+host counts: not once the step was recorded into a caller's CUDA graph, ``record``).
 """
 from __future__ import annotations
 
@@ -259,12 +260,28 @@ def _fc2_kernel(PART_G, B1_G, W2_G, B2_G, GATE, PART, B1_K, B1_V, W2_K, W2_V, B2
 
 
 @triton.jit
-def _advance_kernel(T, POS, B, BB: tl.constexpr):
-    """After a step: POS[b] = T[b] (the cache's position: the token just appended) and T[b] += 1."""
+def _advance_kernel(T, POS, OVER, B, MAX_LEN, BB: tl.constexpr):
+    """After a step: POS[b] = T[b] (the cache's position: the token just appended) and T[b] += 1,
+    except past the cache's last row: there T stays, so that a step replayed from a caller's CUDA
+    graph on a full cache rewrites the last row instead of writing past the buffers, and sets
+    OVER[0] = 1 (POS was T already: the step before wrote that row)."""
     i = tl.arange(0, BB)
-    t = tl.load(T + i, mask=i < B)
-    tl.store(POS + i, t, mask=i < B)
-    tl.store(T + i, t + 1, mask=i < B)
+    ok = i < B
+    t = tl.load(T + i, mask=ok)
+    last = t + 1 >= MAX_LEN
+    tl.store(OVER + i * 0, tl.full([BB], 1, tl.int32), mask=ok & last & (tl.load(POS + i, mask=ok) == t))
+    tl.store(POS + i, t, mask=ok)
+    tl.store(T + i, tl.where(last, t, t + 1), mask=ok)
+
+
+@triton.jit
+def _seek_kernel(T, POS, OVER, t, B, BB: tl.constexpr):
+    """T[b] = t (the next step appends token t), POS[b] = t − 1 (the token appended last), OVER = 0:
+    one launch, which the decode bench replays inside its captured step."""
+    i = tl.arange(0, BB)
+    tl.store(T + i, tl.full([BB], 0, tl.int32) + t, mask=i < B)
+    tl.store(POS + i, tl.full([BB], 0, tl.int32) + (t - 1), mask=i < B)
+    tl.store(OVER + i, tl.full([BB], 0, tl.int32), mask=i < 1)
 
 
 def _param_ptrs(mod, out: list) -> list:
@@ -336,10 +353,11 @@ class LayerDecodeStep:
 
     def seek(self, t: int) -> None:
         """Continue at position t: the next step appends token t, as if tokens t.. had not been
-        decoded (a device fill and a host integer; no sync). Replaying a captured step after
+        decoded (one launch and a host integer; no sync). Replaying a captured step after
         ``seek`` inside the captured work decodes the same position every time (the bench)."""
-        self.next_t.fill_(t)
-        self.cache.length = self.length = t
+        c = self.cache
+        _seek_kernel[(1,)](self.next_t, c.pos, c.overflow, t, self.next_t.numel(), BB=self.bb)
+        c.length = self.length = t
 
     def _check_room(self) -> None:
         c = self.cache
@@ -357,20 +375,38 @@ class LayerDecodeStep:
         self._mlps(x[:, 0].contiguous(), kn, vn, t)              # the gate -> self.g; φ -> its compressed slot
         self.last = self.attn(q[:, 0], kn, vn, pos=t, gate=self.g)
         out = m.o_proj(self.last.mixed.reshape(B, 1, -1))
-        _advance_kernel[(1,)](t, c.pos, B, BB=self.bb)
-        c.length += 1
+        _advance_kernel[(1,)](t, c.pos, c.overflow, B, c.max_len, BB=self.bb)
+        c.advanced()
         self.length = c.length
         return out
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """The step as ``NSAAttention.decode`` runs it -> new tensors (out [B, 1, D], {branch: reads
-        [B, G] int64}, idx [B, G, n] int64): replayed from a CUDA graph on a GPU (``replay``); run
-        eagerly elsewhere, and where a caller is capturing a graph itself (no graph inside a graph)."""
-        if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        [B, G] int64}, idx [B, G, n] int64): replayed from a CUDA graph on a GPU (``replay``), run
+        eagerly elsewhere. Where a caller is capturing a CUDA graph of its own, the step is recorded
+        into it (no graph inside a graph; ``record``)."""
+        if not x.is_cuda:
+            out = self(x)
+        elif torch.cuda.is_current_stream_capturing():
+            return self.record(x)
+        else:
             return self.replay(x)
-        out = self(x)
         return (out, *_unpack(*_int64_info(self.last)))
+
+    @torch.no_grad()
+    def record(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """As ``decode``, into the CUDA graph the caller is capturing: each of its replays decodes
+        the next token (the position advances on the device), which the host cannot count, so the
+        cache becomes ``device_owned`` (its length read from the device from then on). The
+        kernels are not noted as run: recording runs nothing, and the caller's replays are not
+        seen here. Nothing is allocated or compiled that an earlier, uncaptured call on this cache
+        did not (``kernels.routes.decode_layer`` asks for one)."""
+        with dispatch.diverted():
+            out = self(x)
+            info, names = _int64_info(self.last)
+        self.cache.device_owned = True
+        return (out, *_unpack(info, names))
 
     @torch.no_grad()
     def replay(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -388,7 +424,7 @@ class LayerDecodeStep:
         x_in.copy_(x)
         graph.replay()                     # advances next_t and the cache's pos on the device
         dispatch.replay(notes)             # the kernels the capture recorded ran again
-        c.length += 1
+        c.advanced()
         self.length = c.length
         return (out.clone(), *_unpack(info.clone(), names))
 

@@ -218,11 +218,16 @@ def decode_layer(m, x, cache):
     device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
     On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.decode``). Under a caller's
-    own capture the eager step is recorded instead, but the cache's host length then advances once,
-    not per replay: not a supported use (the decode bench captures ``LayerDecodeStep`` with a
-    ``seek`` to one position)."""
+    own capture it is recorded into the caller's graph (``LayerDecodeStep.record``); that needs a
+    call on this cache outside the capture first, which sets the step up (allocations, compiles,
+    the position), as any capture needs a warm-up."""
     key = (routing.TRITON, "layer")
     held = cache.kernel_state.get(key)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if held is None or held[0] is not m or held[1].length != cache.length:
+            raise ValueError("NSAAttention.decode under CUDA graph capture: call it once on this cache outside the "
+                             "capture first (a warm-up step: it sets up the step's buffers, kernels and position)")
+        return held[1].record(x)          # recorded, not run: no note
     if held is None or held[0] is not m:
         from kernels.decode_layer import LayerDecodeStep
         held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache))

@@ -10,6 +10,12 @@ k_cmp [B, N_max, G, d_k], v_cmp [B, N_max, G, d_v]. All batch rows share one pos
 on the host, and ``pos`` [B] int32 on the device (the position of the token appended last, the t
 a decode kernel reads without asking the host). ``kernel_state`` holds what a decode
 implementation sets up once per cache (the Triton step's plan and workspace), not per token.
+
+A decode step recorded into a caller's CUDA graph advances the position on the device at every
+replay, which the host cannot count: from then on (``device_owned``) ``length`` is read from
+``pos`` (one device sync per read, none while a graph is being captured), and a replay on a full
+cache, which rewrites the last row rather than writing past the buffers, sets ``overflow``, which
+makes that read raise.
 """
 from __future__ import annotations
 
@@ -29,17 +35,41 @@ class DecodeCache:
         n_max = max(cfg.n_cmp_total(max_len), 1)
         self.k_cmp = torch.full((batch, n_max, G, cfg.d_k), nan, device=device, dtype=dtype)
         self.v_cmp = torch.full((batch, n_max, G, cfg.d_v), nan, device=device, dtype=dtype)
-        self.length = 0
+        self._length = 0
         self.pos = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=device)   # set by device work past max_len
+        self.device_owned = False
         self.kernel_state: dict = {}
+
+    @property
+    def length(self) -> int:
+        """Tokens held. Kept on the host, except once ``device_owned``: then read from ``pos``,
+        where an ``overflow`` raises (outside a capture; inside, the last value read)."""
+        if self.device_owned and not _capturing(self.pos):
+            pos, over = torch.cat([self.pos[:1], self.overflow]).tolist()
+            if over:
+                raise ValueError(f"DecodeCache full: a decode step replayed from a CUDA graph ran past max_len "
+                                 f"{self.max_len}; the outputs of such replays are not valid")
+            self._length = pos + 1
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+
+    def advanced(self) -> None:
+        """Device work appended one token and moved ``pos``: count it on the host, where the host
+        counts (not once ``device_owned``: ``pos`` has it)."""
+        if not self.device_owned:
+            self._length += 1
 
     @property
     def n_cmp(self) -> int:
         return self.cfg.n_cmp_total(self.length)
 
     def _check_room(self, n: int) -> None:
-        if self.length + n > self.max_len:
-            raise ValueError(f"DecodeCache full: {self.length} + {n} > max_len {self.max_len}")
+        if (held := self.length) + n > self.max_len:
+            raise ValueError(f"DecodeCache full: {held} + {n} > max_len {self.max_len}")
 
     def write_prefill(self, k, v, k_cmp, v_cmp) -> None:
         """Store a whole prefill (cache must be empty). k [B, S, G, d_k] …, k_cmp [B, N, G, d_k] …"""
@@ -70,8 +100,17 @@ class DecodeCache:
     def copy_rows(self, n: int, row: int = 0) -> "DecodeCache":
         """A new cache of n identical batch rows, each a copy of row ``row`` (same length)."""
         c = DecodeCache.__new__(DecodeCache)
-        c.cfg, c.max_len, c.length, c.kernel_state = self.cfg, self.max_len, self.length, {}
+        c.cfg, c.max_len, c._length, c.kernel_state, c.device_owned = self.cfg, self.max_len, self.length, {}, False
+        c.overflow = self.overflow.clone()
         for name in ("k", "v", "k_cmp", "v_cmp"):
             setattr(c, name, getattr(self, name)[row:row + 1].repeat(n, 1, 1, 1))
         c.pos = self.pos[row:row + 1].repeat(n)
         return c
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether t's GPU's current stream is capturing a CUDA graph (where a sync is not allowed)."""
+    if not t.is_cuda:
+        return False
+    with torch.cuda.device(t.device):
+        return torch.cuda.is_current_stream_capturing()

@@ -119,3 +119,95 @@ def test_phi_at_a_batch_past_one_tile_of_rows(batch):
         span = slice(t + 1 - CFG.cmp_len, t + 1)
         for got, phi, raw in ((cache.k_cmp, m.cmp_k, cache.k), (cache.v_cmp, m.cmp_v, cache.v)):
             torch.testing.assert_close(got[:, slot:slot + 1], phi(raw[:, span]), rtol=1e-5, atol=1e-5)
+
+
+def test_advance_stays_on_the_last_row():
+    """The step's position update (``_advance_kernel``) past the cache's last row: the position
+    stays (a step replayed from a caller's CUDA graph on a full cache rewrites the last row rather
+    than writing past the buffers) and the second step there sets the overflow flag."""
+    why = routes.triton_unavailable(cfg=CFGS["mlp"], device=DEV, dtype=torch.float32)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    from kernels.decode_layer import _advance_kernel
+    i32 = dict(dtype=torch.int32, device=DEV)
+    nxt, pos, over = torch.full((3,), 5, **i32), torch.full((3,), 4, **i32), torch.zeros(1, **i32)
+    seen = []
+    for _ in range(3):
+        _advance_kernel[(1,)](nxt, pos, over, 3, 7, BB=4)
+        seen.append((nxt.tolist(), pos.tolist(), over.item()))
+    assert seen == [([6] * 3, [5] * 3, 0), ([6] * 3, [6] * 3, 0), ([6] * 3, [6] * 3, 1)]
+
+
+def test_device_owned_cache_reads_its_length_from_the_device():
+    cache = DecodeCache(CFGS["mlp"], 2, 12, device=DEV)
+    cache.length = 3
+    cache.device_owned = True
+    cache.pos.fill_(9)
+    assert cache.length == 10
+    cache.advanced()                       # the device counted it: the host adds nothing
+    assert cache.length == 10
+    cache.overflow.fill_(1)
+    with pytest.raises(ValueError, match="DecodeCache full: a decode step replayed from a CUDA graph"):
+        cache.length
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")        # the refused capture's
+def test_module_decode_in_a_callers_cuda_graph():
+    """``m.decode`` captured inside the caller's own CUDA graph (as a whole-model decode graph
+    does): without a warm-up call it is refused with one clear error; after one, each replay
+    decodes the next token (vs the torch route, outputs, blocks and reads), the cache's length
+    follows the replays, eager calls go on from where the replays left off, and a replay on a full
+    cache rewrites only the last row and makes the next length read raise."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    CFG = CFGS["mlp"]
+    torch.manual_seed(7)
+    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
+    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)
+    ref.load_state_dict(m.state_dict())
+    prefill, steps = 5, 2 * CFG.cmp_len + 3
+    T = prefill + steps
+    x = torch.randn(2, T, CFG.d_model, device=DEV)
+    cache, ref_cache = (DecodeCache(CFG, 2, T, device=DEV) for _ in range(2))
+    static = x[:, prefill:prefill + 1].clone()
+    with torch.no_grad():
+        for mod, c in ((m, cache), (ref, ref_cache)):
+            mod(x[:, :prefill], cache=c)
+        with pytest.raises(ValueError, match="call it once on this cache outside the capture first"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                m.decode(static, cache)
+        assert cache.length == prefill and not cache.device_owned
+
+        def check(got, info, t):
+            want, winfo = ref.decode(x[:, t:t + 1], ref_cache)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+            assert torch.equal(info.idx, winfo.idx), f"t={t}: selected blocks differ"
+            assert all(torch.equal(info.reads[br], winfo.reads[br]) for br in winfo.reads), f"t={t}: reads differ"
+
+        check(*m.decode(x[:, prefill:prefill + 1], cache), prefill)          # the warm-up call
+        graph = torch.cuda.CUDAGraph()
+        with routing.capture() as log, torch.cuda.graph(graph):
+            out, info = m.decode(static, cache)
+        assert not log.counts, f"recording was counted as running: {log.summary()}"
+        assert cache.device_owned and cache.length == prefill + 1, "the capture moved the cache"
+        for t in range(prefill + 1, T - 2):
+            static.copy_(x[:, t:t + 1])
+            graph.replay()
+            check(out, info, t)
+            assert cache.length == t + 1
+        for t in (T - 2, T - 1):              # eager calls go on from the replays' position
+            check(*m.decode(x[:, t:t + 1], cache), t)
+        assert cache.length == T
+        with pytest.raises(ValueError, match="DecodeCache full"):
+            m.decode(x[:, -1:], cache)
+        held = [b.clone() for b in (cache.k, cache.v, cache.k_cmp, cache.v_cmp)]
+        graph.replay()                        # on the full cache
+        torch.cuda.synchronize()
+        for before, now in zip(held, (cache.k, cache.v)):
+            assert torch.equal(before[:, :-1], now[:, :-1]), "a replay on a full cache wrote another row"
+        n = CFG.n_cmp_total(T - 1)             # the slots complete before the last row (which may complete one)
+        for before, now in zip(held[2:], (cache.k_cmp, cache.v_cmp)):
+            assert torch.equal(before[:, :n], now[:, :n]), "a replay on a full cache wrote another compressed slot"
+            assert now[:, CFG.n_cmp_total(T):].isnan().all(), "a replay on a full cache wrote past the spans"
+        with pytest.raises(ValueError, match="ran past max_len"):
+            cache.length
