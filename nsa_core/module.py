@@ -283,8 +283,9 @@ class NSAAttention(nn.Module):
         ``StepInfo``: what each branch read and the blocks it selected). On the Triton route the
         whole step (projections, append, φ, gate, attention, mix, output projection) is one
         fixed-shape device step set up once per cache (``kernels/decode_layer.py``): the position
-        lives on the device and the step can be captured in a CUDA graph. With ``only`` the
-        Triton route runs that branch's kernels alone and the rest on the host."""
+        lives on the device and the call can be captured in a caller's CUDA graph, after one call
+        outside it (``kernels.routes.decode_layer``). With ``only`` the Triton route runs that
+        branch's kernels alone and the rest on the host (not capturable, nor is the torch route)."""
         cfg = self.cfg
         t = cache.length
         route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
@@ -293,6 +294,11 @@ class NSAAttention(nn.Module):
             with routing.profiler_range(routing.DECODE, "step"):
                 out, reads, idx = impl(m=self, x=x, cache=cache)
             return out, StepInfo(reads, idx)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # the host writes token t's row at a host position: a replay would write that row again
+            raise ValueError(f"NSAAttention.decode under CUDA graph capture needs the whole-layer Triton step; this "
+                             f"call runs {'the branch ' + repr(only) + ' alone' if only else route.backend} "
+                             f"(decode_backend='triton', no only=), which keeps the position on the host")
         q, k, v = self.project(x)
         span = cache.append(k, v)
         if span is not None:

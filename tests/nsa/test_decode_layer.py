@@ -154,7 +154,8 @@ def test_device_owned_cache_reads_its_length_from_the_device():
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")        # the refused capture's
 def test_module_decode_in_a_callers_cuda_graph():
     """``m.decode`` captured inside the caller's own CUDA graph (as a whole-model decode graph
-    does): without a warm-up call it is refused with one clear error; after one, each replay
+    does): without a warm-up call it is refused with one clear error, as are the torch route and a
+    branch alone (which keep the position on the host); after one, each replay
     decodes the next token (vs the torch route, outputs, blocks and reads), the cache's length
     follows the replays, eager calls go on from where the replays left off, and a replay on a full
     cache rewrites only the last row and makes the next length read raise."""
@@ -177,6 +178,11 @@ def test_module_decode_in_a_callers_cuda_graph():
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 m.decode(static, cache)
         assert cache.length == prefill and not cache.device_owned
+        for mod, c, only in ((ref, ref_cache, None), (m, cache, "sel")):     # the torch route; a branch alone
+            with pytest.raises(ValueError, match="needs the whole-layer Triton step"):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    mod.decode(static, c, only=only)
+        assert ref_cache.length == cache.length == prefill
 
         def check(got, info, t):
             want, winfo = ref.decode(x[:, t:t + 1], ref_cache)
