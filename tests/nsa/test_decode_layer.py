@@ -18,6 +18,15 @@ CFGS = {"mlp": tiny(d_model=32, n_kv_heads=2),
         "mean-l6": tiny(d_model=32, n_kv_heads=2, compress="mean", cmp_len=6, cmp_stride=3)}
 
 
+def _twins(cfg, seed: int) -> tuple[NSAAttention, NSAAttention]:
+    """(a layer decoding on the Triton route, the same weights on the torch route)."""
+    torch.manual_seed(seed)
+    m = NSAAttention(cfg, RoutingPolicy(decode_backend="triton")).to(DEV)
+    ref = NSAAttention(cfg, RoutingPolicy()).to(DEV)
+    ref.load_state_dict(m.state_dict())
+    return m, ref
+
+
 @pytest.mark.parametrize("phi", list(CFGS))
 @pytest.mark.parametrize("prefill", [0, 21])
 def test_layer_step_equals_module_decode(prefill, phi):
@@ -26,10 +35,7 @@ def test_layer_step_equals_module_decode(prefill, phi):
     if why:
         pytest.skip(f"Triton decode kernel cannot run here: {why}")
     from kernels.decode_layer import LayerDecodeStep
-    torch.manual_seed(4)
-    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
-    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)                # the same weights on the torch route
-    ref.load_state_dict(m.state_dict())
+    m, ref = _twins(CFG, 4)
     steps = 2 * CFG.cmp_len + 3                                    # several spans complete
     x = torch.randn(2, prefill + steps, CFG.d_model, device=DEV)
     ref_cache, cache, mod_cache = (DecodeCache(CFG, 2, prefill + steps, device=DEV) for _ in range(3))
@@ -73,10 +79,7 @@ def test_module_decode_captures_again_where_a_parameter_was_replaced():
     if DEV != "cuda":
         pytest.skip("the route replays a CUDA graph only on a CUDA GPU")
     CFG = CFGS["mlp"]
-    torch.manual_seed(6)
-    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
-    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)
-    ref.load_state_dict(m.state_dict())
+    m, ref = _twins(CFG, 6)
     x = torch.randn(2, 8, CFG.d_model, device=DEV)
     cache, ref_cache = (DecodeCache(CFG, 2, 8, device=DEV) for _ in range(2))
     with torch.no_grad():
@@ -162,10 +165,7 @@ def test_module_decode_in_a_callers_cuda_graph():
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a CUDA GPU")
     CFG = CFGS["mlp"]
-    torch.manual_seed(7)
-    m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
-    ref = NSAAttention(CFG, RoutingPolicy()).to(DEV)
-    ref.load_state_dict(m.state_dict())
+    m, ref = _twins(CFG, 7)
     prefill, steps = 5, 2 * CFG.cmp_len + 3
     T = prefill + steps
     x = torch.randn(2, T, CFG.d_model, device=DEV)
