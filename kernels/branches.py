@@ -29,7 +29,11 @@ The window does not depend on the other branches, but running it on a second str
 gained nothing: the kernels before it fill the GPU, so it ran after them all the same (H100, bf16,
 H=64, G=4, d 128, inference, do_bench: chain of three 2.53 / 34.4 ms and window 0.44 / 3.65 ms at
 8k / 64k, both on two streams 2.94 / 38.0 ms; with the mix as a pass of its own after them 3.12 /
-39.2 ms vs the four launches before the dense prefix, 3.00 / 38.5).
+39.2 ms vs the four launches before the dense prefix, 3.00 / 38.5). Nor did the backward's: the
+compressed branch's (tensor-core bound) on a second stream beside the selection's, the dense prefix's
+and the window's (the selection's L2-bound), each with a dq of its own, added after: H100, 64k, the
+same shape, CUDA events, five reps, ms: 77.4 and 78.2 vs 76.6 and 83.3 on one stream (the compressed
+backward alone 33.1, the rest alone 44.7): they ran one after the other all the same.
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
