@@ -274,12 +274,13 @@ def _advance_kernel(T, POS, OVER, B, MAX_LEN, BB: tl.constexpr):
     tl.store(T + i, tl.where(last, t, t + 1), mask=ok)
 
 
-@triton.jit
-def _seek_kernel(T, POS, OVER, t, B, BB: tl.constexpr):
+@triton.jit(do_not_specialize=["t"])      # one compile for every position
+def _seek_kernel(T, POS, OVER, t, B, MAX_LEN, BB: tl.constexpr):
     """T[b] = t (the next step appends token t), POS[b] = t − 1 (the token appended last), OVER = 0:
-    one launch, which the decode bench replays inside its captured step."""
+    one launch, which the decode bench replays inside its captured step. T stays on the last row
+    (t = MAX_LEN: a full cache), where a step then sets the overflow flag (``_advance_kernel``)."""
     i = tl.arange(0, BB)
-    tl.store(T + i, tl.full([BB], 0, tl.int32) + t, mask=i < B)
+    tl.store(T + i, tl.full([BB], 0, tl.int32) + tl.minimum(t, MAX_LEN - 1), mask=i < B)
     tl.store(POS + i, tl.full([BB], 0, tl.int32) + (t - 1), mask=i < B)
     tl.store(OVER + i, tl.full([BB], 0, tl.int32), mask=i < 1)
 
@@ -344,8 +345,9 @@ class LayerDecodeStep:
             self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
             self.span = dict(G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1])
         self.bb = triton.next_power_of_2(B)      # _advance_kernel's lanes
-        self.next_t = torch.full((B,), cache.length, dtype=torch.int32, device=dev)
-        self.length = cache.length          # host mirror of next_t: the cache's length as this step left it
+        # the position of the token the next step appends (on the last row where the cache is full: see _seek_kernel)
+        self.next_t = torch.full((B,), min(cache.length, cache.max_len - 1), dtype=torch.int32, device=dev)
+        self.length = cache.length          # the cache's length as this step last saw it (host; re-seek where not)
         self.last: StepOut | None = None
         # (CUDA graph, its input, its outputs (out, reads and blocks as int64, the reads' branches), what it was
         # captured for, its notes)
@@ -356,17 +358,18 @@ class LayerDecodeStep:
         decoded (one launch and a host integer; no sync). Replaying a captured step after
         ``seek`` inside the captured work decodes the same position every time (the bench)."""
         c = self.cache
-        _seek_kernel[(1,)](self.next_t, c.pos, c.overflow, t, self.next_t.numel(), BB=self.bb)
+        _seek_kernel[(1,)](self.next_t, c.pos, c.overflow, t, self.next_t.numel(), c.max_len, BB=self.bb)
         c.length = self.length = t
 
-    def _check_room(self) -> None:
+    def check_room(self) -> None:
+        """Raise where the cache has no row left for the next token."""
         c = self.cache
-        if c.length >= c.max_len:
-            raise ValueError(f"DecodeCache full: {c.length} + 1 > max_len {c.max_len}")
+        if (held := c.length) >= c.max_len:
+            raise ValueError(f"DecodeCache full: {held} + 1 > max_len {c.max_len}")
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_room()
+        self.check_room()
         m, c = self.m, self.cache
         B = x.shape[0]
         t = self.next_t
@@ -402,10 +405,10 @@ class LayerDecodeStep:
         kernels are not noted as run: recording runs nothing, and the caller's replays are not
         seen here. Nothing is allocated or compiled that an earlier, uncaptured call on this cache
         did not (``kernels.routes.decode_layer`` asks for one)."""
+        self.cache.device_owned = True     # first: the host does not count this token (nothing ran)
         with dispatch.diverted():
             out = self(x)
             info, names = _int64_info(self.last)
-        self.cache.device_owned = True
         return (out, *_unpack(info, names))
 
     @torch.no_grad()
@@ -415,7 +418,7 @@ class LayerDecodeStep:
         of the reads and blocks are copied out with one clone each (the reads and blocks views into
         theirs). Captured again where x's shape or dtype, or where a parameter of the module lives
         (its ``data_ptr``: a parameter replaced, or moved by ``.to()``), is not what it was captured for."""
-        self._check_room()
+        self.check_room()
         c = self.cache
         key = (x.shape, x.dtype, tuple(_param_ptrs(self.m, [])))
         if self._graph is None or self._graph[3] != key:

@@ -14,8 +14,9 @@ implementation sets up once per cache (the Triton step's plan and workspace), no
 A decode step recorded into a caller's CUDA graph advances the position on the device at every
 replay, which the host cannot count: from then on (``device_owned``) ``length`` is read from
 ``pos`` (one device sync per read, none while a graph is being captured), and a replay on a full
-cache, which rewrites the last row rather than writing past the buffers, sets ``overflow``, which
-makes that read raise.
+cache, which rewrites the last row (its token is lost) rather than writing past the buffers, sets
+``overflow``, which makes that read raise. Host-side writes (``append``) are then refused by the
+module: the graph would not see them.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class DecodeCache:
     @property
     def length(self) -> int:
         """Tokens held. Kept on the host, except once ``device_owned``: then read from ``pos``,
-        where an ``overflow`` raises (outside a capture; inside, the last value read)."""
+        where an ``overflow`` raises (outside a capture; inside one, the host's count as last read
+        or set)."""
         if self.device_owned and not _capturing(self.pos):
             pos, over = torch.cat([self.pos[:1], self.overflow]).tolist()
             if over:
@@ -82,6 +84,7 @@ class DecodeCache:
         self.k_cmp[:, :N], self.v_cmp[:, :N] = k_cmp, v_cmp
         self.length = S
         self.pos.fill_(S - 1)
+        self.overflow.zero_()
 
     def append(self, k, v) -> tuple[int, int] | None:
         """Write token t = length (k [B, 1, G, d_k], v likewise). Returns the raw span
@@ -101,7 +104,7 @@ class DecodeCache:
         """A new cache of n identical batch rows, each a copy of row ``row`` (same length)."""
         c = DecodeCache.__new__(DecodeCache)
         c.cfg, c.max_len, c._length, c.kernel_state, c.device_owned = self.cfg, self.max_len, self.length, {}, False
-        c.overflow = self.overflow.clone()
+        c.overflow = torch.zeros_like(self.overflow)
         for name in ("k", "v", "k_cmp", "v_cmp"):
             setattr(c, name, getattr(self, name)[row:row + 1].repeat(n, 1, 1, 1))
         c.pos = self.pos[row:row + 1].repeat(n)

@@ -294,11 +294,16 @@ class NSAAttention(nn.Module):
             with routing.profiler_range(routing.DECODE, "step"):
                 out, reads, idx = impl(m=self, x=x, cache=cache)
             return out, StepInfo(reads, idx)
+        # below, the host writes token t's row at a host position: a replay of a captured call would write that row
+        # again, and a graph that already decodes into this cache (device_owned) would not see the row
+        runs = f"the branch {only!r} alone" if only else f"the {route.backend} route"
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # the host writes token t's row at a host position: a replay would write that row again
-            raise ValueError(f"NSAAttention.decode under CUDA graph capture needs the whole-layer Triton step; this "
-                             f"call runs {'the branch ' + repr(only) + ' alone' if only else route.backend} "
-                             f"(decode_backend='triton', no only=), which keeps the position on the host")
+            raise ValueError(f"NSAAttention.decode under CUDA graph capture needs the whole-layer Triton step "
+                             f"(decode_backend='triton', no only=); this call runs {runs}, which keeps the position "
+                             f"on the host")
+        if cache.device_owned:
+            raise ValueError(f"NSAAttention.decode: this cache's position is kept on the GPU by a decode step recorded "
+                             f"into a CUDA graph; this call runs {runs}, which would write where that graph does not look")
         q, k, v = self.project(x)
         span = cache.append(k, v)
         if span is not None:

@@ -124,21 +124,64 @@ def test_phi_at_a_batch_past_one_tile_of_rows(batch):
             torch.testing.assert_close(got[:, slot:slot + 1], phi(raw[:, span]), rtol=1e-5, atol=1e-5)
 
 
-def test_advance_stays_on_the_last_row():
-    """The step's position update (``_advance_kernel``) past the cache's last row: the position
-    stays (a step replayed from a caller's CUDA graph on a full cache rewrites the last row rather
-    than writing past the buffers) and the second step there sets the overflow flag."""
+def test_position_stays_on_the_last_row():
+    """The step's position update (``_advance_kernel``) and ``seek`` (``_seek_kernel``) at and past
+    the cache's last row (max_len 7): the position stays on row 6 (a step replayed from a caller's
+    CUDA graph on a full cache rewrites that row rather than writing past the buffers), and a step
+    on row 6 after the row was written sets the overflow flag, which a seek clears."""
     why = routes.triton_unavailable(cfg=CFGS["mlp"], device=DEV, dtype=torch.float32)
     if why:
         pytest.skip(f"Triton decode kernel cannot run here: {why}")
-    from kernels.decode_layer import _advance_kernel
+    from kernels.decode_layer import _advance_kernel, _seek_kernel
     i32 = dict(dtype=torch.int32, device=DEV)
     nxt, pos, over = torch.full((3,), 5, **i32), torch.full((3,), 4, **i32), torch.zeros(1, **i32)
     seen = []
-    for _ in range(3):
+
+    def advance():
         _advance_kernel[(1,)](nxt, pos, over, 3, 7, BB=4)
         seen.append((nxt.tolist(), pos.tolist(), over.item()))
-    assert seen == [([6] * 3, [5] * 3, 0), ([6] * 3, [6] * 3, 0), ([6] * 3, [6] * 3, 1)]
+
+    def seek(t):
+        _seek_kernel[(1,)](nxt, pos, over, t, 3, 7, BB=4)
+        seen.append((nxt.tolist(), pos.tolist(), over.item()))
+
+    advance(), advance(), advance()          # rows 5, 6 (the last), then 6 again: overflow
+    seek(6), advance()                       # back to row 6: written once, no overflow
+    seek(7), advance()                       # a seek to a full cache: the next step overflows
+    seek(3)
+    assert seen == [([6] * 3, [5] * 3, 0), ([6] * 3, [6] * 3, 0), ([6] * 3, [6] * 3, 1),
+                    ([6] * 3, [5] * 3, 0), ([6] * 3, [6] * 3, 0),
+                    ([6] * 3, [6] * 3, 0), ([6] * 3, [6] * 3, 1),
+                    ([3] * 3, [2] * 3, 0)]
+
+
+def test_module_decode_picks_up_a_host_route_step():
+    """The Triton route after a step on the host route (``only=``, which appends through
+    ``DecodeCache.append``) on the same cache: the layer step seeks to the cache's length and goes
+    on from there, step after step, vs the torch route."""
+    CFG = CFGS["mlp"]
+    why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    m, ref = _twins(CFG, 8)
+    T = 12
+    x = torch.randn(2, T, CFG.d_model, device=DEV)
+    cache, ref_cache = (DecodeCache(CFG, 2, T, device=DEV) for _ in range(2))
+    with torch.no_grad():
+        for mod, c in ((m, cache), (ref, ref_cache)):
+            mod(x[:, :5], cache=c)
+        for t in range(5, T):
+            want, winfo = ref.decode(x[:, t:t + 1], ref_cache)
+            if t in (7, 8):                  # the host route, then the layer step again
+                got, info = m.decode(x[:, t:t + 1], cache, only="win")
+                torch.testing.assert_close(info.reads["win"], winfo.reads["win"])
+                continue
+            got, info = m.decode(x[:, t:t + 1], cache)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+            assert torch.equal(info.idx, winfo.idx), f"t={t}: selected blocks differ"
+    step = cache.kernel_state[(routing.TRITON, "layer")][1]
+    assert cache.length == step.length == T and int(cache.pos[0]) == T - 1
+    torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-6, atol=1e-6)
 
 
 def test_device_owned_cache_reads_its_length_from_the_device():
@@ -158,10 +201,12 @@ def test_device_owned_cache_reads_its_length_from_the_device():
 def test_module_decode_in_a_callers_cuda_graph():
     """``m.decode`` captured inside the caller's own CUDA graph (as a whole-model decode graph
     does): without a warm-up call it is refused with one clear error, as are the torch route and a
-    branch alone (which keep the position on the host); after one, each replay
-    decodes the next token (vs the torch route, outputs, blocks and reads), the cache's length
-    follows the replays, eager calls go on from where the replays left off, and a replay on a full
-    cache rewrites only the last row and makes the next length read raise."""
+    branch alone (which keep the position on the host); after one, each replay decodes the next
+    token (vs the torch route, outputs, blocks and reads), the cache's length follows the replays,
+    an eager call goes on from where the replays left off and the replays from where it left off,
+    host-route calls on the cache are refused, and once replays have filled the cache an eager call
+    is refused without moving the position, and a replay rewrites only the last row and makes the
+    next length read raise."""
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a CUDA GPU")
     CFG = CFGS["mlp"]
@@ -196,16 +241,20 @@ def test_module_decode_in_a_callers_cuda_graph():
             out, info = m.decode(static, cache)
         assert not log.counts, f"recording was counted as running: {log.summary()}"
         assert cache.device_owned and cache.length == prefill + 1, "the capture moved the cache"
-        for t in range(prefill + 1, T - 2):
-            static.copy_(x[:, t:t + 1])
-            graph.replay()
-            check(out, info, t)
+        for t in range(prefill + 1, T):
+            if t == T - 3:                     # an eager call goes on from the replays' position, the replays from its
+                check(*m.decode(x[:, t:t + 1], cache), t)
+            else:
+                static.copy_(x[:, t:t + 1])
+                graph.replay()
+                check(out, info, t)
             assert cache.length == t + 1
-        for t in (T - 2, T - 1):              # eager calls go on from the replays' position
-            check(*m.decode(x[:, t:t + 1], cache), t)
-        assert cache.length == T
-        with pytest.raises(ValueError, match="DecodeCache full"):
+            if t == T - 2:                     # the host route would write where the graph does not look
+                with pytest.raises(ValueError, match="kept on the GPU by a decode step recorded into a CUDA graph"):
+                    m.decode(x[:, t:t + 1], cache, only="win")
+        with pytest.raises(ValueError, match="DecodeCache full"):     # replays filled it: refused, nothing moved
             m.decode(x[:, -1:], cache)
+        assert cache.length == T and int(cache.kernel_state[(routing.TRITON, "layer")][1].next_t[0]) == T - 1
         held = [b.clone() for b in (cache.k, cache.v, cache.k_cmp, cache.v_cmp)]
         graph.replay()                        # on the full cache
         torch.cuda.synchronize()
@@ -217,3 +266,16 @@ def test_module_decode_in_a_callers_cuda_graph():
             assert now[:, CFG.n_cmp_total(T):].isnan().all(), "a replay on a full cache wrote past the spans"
         with pytest.raises(ValueError, match="ran past max_len"):
             cache.length
+
+
+def test_decode_graph_bench():
+    """``nsa_validate.bench.decode_graph`` (a stack of layers decoded per layer from Python vs as one
+    caller's CUDA graph) at a tiny size: both ways give the same outputs, token after token, and
+    leave the caches at the same length."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    from nsa_validate.bench.decode_graph import stack_decode
+    row = stack_decode(CFGS["mlp"], batch=2, context=40, layers=2, tokens=5, dtype=torch.float32)
+    assert row.tokens == 5 and row.max_abs_diff == 0, row
+    assert row.lengths == (40 + 2 + 5, 40 + 2 + 5), row
+    assert row.eager_ms > 0 and row.graph_ms > 0
