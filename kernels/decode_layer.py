@@ -345,9 +345,8 @@ class LayerDecodeStep:
             self.xv = torch.empty(B, G, l * cfg.d_v, device=dev, dtype=dt)
             self.span = dict(G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BDK=bd[0], BDV=bd[1])
         self.bb = triton.next_power_of_2(B)      # _advance_kernel's lanes
-        # the position of the token the next step appends (on the last row where the cache is full: see _seek_kernel)
-        self.next_t = torch.full((B,), min(cache.length, cache.max_len - 1), dtype=torch.int32, device=dev)
-        self.length = cache.length          # the cache's length as this step last saw it (host; re-seek where not)
+        self.next_t = torch.empty(B, dtype=torch.int32, device=dev)    # the position the next step appends at
+        self.seek(cache.length)             # sets next_t, and self.length: the cache's length as this step last saw it
         self.last: StepOut | None = None
         # (CUDA graph, its input, its outputs (out, reads and blocks as int64, the reads' branches), what it was
         # captured for, its notes)

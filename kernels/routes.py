@@ -232,8 +232,7 @@ def decode_layer(m, x, cache):
         from kernels.decode_layer import LayerDecodeStep
         held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache))
     step = held[1]
-    step.check_room()                      # before a seek: the device position never goes past the last row
-    if step.length != cache.length:
+    if step.length != cache.length:        # (a seek to a full cache stays on its last row; the step then refuses)
         step.seek(cache.length)
     out, reads, idx = step.decode(x)
     routing.note(routing.DECODE, "step", routing.TRITON)

@@ -54,7 +54,7 @@ def stack_decode(cfg: NSAConfig = PAPER, batch: int = 1, context: int = 65536, l
     ``context`` tokens: ``tokens`` decode steps timed each way (see the module docstring)."""
     mods = [nsa_layer(cfg, dtype, device, seed=seed + i) for i in range(layers)]
     warm = 2
-    xs = torch.randn(batch, warm + 3 * tokens + 16, cfg.d_model, device=device).to(dtype)
+    xs = torch.randn(batch, warm + tokens, cfg.d_model, device=device).to(dtype)
     capacity = context + xs.shape[1]
     eager_caches, graph_caches = (_caches(cfg, batch, context, capacity, layers, dtype, device, seed) for _ in range(2))
 

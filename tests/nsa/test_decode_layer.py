@@ -158,7 +158,8 @@ def test_position_stays_on_the_last_row():
 def test_module_decode_picks_up_a_host_route_step():
     """The Triton route after a step on the host route (``only=``, which appends through
     ``DecodeCache.append``) on the same cache: the layer step seeks to the cache's length and goes
-    on from there, step after step, vs the torch route."""
+    on from there, step after step, vs the torch route; once the host route has filled the cache,
+    the step is refused and its position stays on the last row."""
     CFG = CFGS["mlp"]
     why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
     if why:
@@ -172,15 +173,18 @@ def test_module_decode_picks_up_a_host_route_step():
             mod(x[:, :5], cache=c)
         for t in range(5, T):
             want, winfo = ref.decode(x[:, t:t + 1], ref_cache)
-            if t in (7, 8):                  # the host route, then the layer step again
+            if t in (7, 8, T - 1):           # the host route, then the layer step again; the host route fills it
                 got, info = m.decode(x[:, t:t + 1], cache, only="win")
                 torch.testing.assert_close(info.reads["win"], winfo.reads["win"])
                 continue
             got, info = m.decode(x[:, t:t + 1], cache)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
             assert torch.equal(info.idx, winfo.idx), f"t={t}: selected blocks differ"
+        with pytest.raises(ValueError, match="DecodeCache full"):       # the step catches up with a full cache
+            m.decode(x[:, -1:], cache)
     step = cache.kernel_state[(routing.TRITON, "layer")][1]
     assert cache.length == step.length == T and int(cache.pos[0]) == T - 1
+    assert int(step.next_t[0]) == T - 1 and int(cache.overflow[0]) == 0, "the step's position left the last row"
     torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-6, atol=1e-6)
 
 
