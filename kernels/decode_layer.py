@@ -360,15 +360,20 @@ class LayerDecodeStep:
         _seek_kernel[(1,)](self.next_t, c.pos, c.overflow, t, self.next_t.numel(), c.max_len, BB=self.bb)
         c.length = self.length = t
 
-    def check_room(self) -> None:
-        """Raise where the cache has no row left for the next token."""
+    def check_room(self, length: int | None = None) -> int:
+        """Raise where the cache, holding ``length`` tokens (default: its ``length``, which on a
+        ``device_owned`` cache is a read from the GPU, a sync), has no row left for the next; returns that length."""
         c = self.cache
-        if (held := c.length) >= c.max_len:
-            raise ValueError(f"DecodeCache full: {held} + 1 > max_len {c.max_len}")
+        if length is None:
+            length = c.length
+        if length >= c.max_len:
+            raise ValueError(f"DecodeCache full: {length} + 1 > max_len {c.max_len}")
+        return length
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_room()
+    def __call__(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """The step, run eagerly, for token t = the cache's length (``length``: that, where read already)."""
+        held = self.check_room(length)
         m, c = self.m, self.cache
         B = x.shape[0]
         t = self.next_t
@@ -379,70 +384,74 @@ class LayerDecodeStep:
         out = m.o_proj(self.last.mixed.reshape(B, 1, -1))
         _advance_kernel[(1,)](t, c.pos, c.overflow, B, c.max_len, BB=self.bb)
         c.advanced()
-        self.length = c.length
+        self.length = held + 1             # not c.length: on a device_owned cache that read would wait for this step
         return out
 
     @torch.no_grad()
-    def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    def decode(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """The step as ``NSAAttention.decode`` runs it -> new tensors (out [B, 1, D], {branch: reads
         [B, G] int64}, idx [B, G, n] int64): replayed from a CUDA graph on a GPU (``replay``), run
         eagerly elsewhere. Where a caller is capturing a CUDA graph of its own, the step is recorded
-        into it (no graph inside a graph; ``record``)."""
+        into it (no graph inside a graph; ``record``). ``length``: the cache's length where the caller
+        has read it already (on a ``device_owned`` cache each read is a sync; then none is made here)."""
         if not x.is_cuda:
-            out = self(x)
+            out = self(x, length)
         elif torch.cuda.is_current_stream_capturing():
-            return self.record(x)
+            return self.record(x, length)
         else:
-            return self.replay(x)
+            return self.replay(x, length)
         return (out, *_unpack(*_int64_info(self.last)))
 
     @torch.no_grad()
-    def record(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    def record(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """As ``decode``, into the CUDA graph the caller is capturing: each of its replays decodes
         the next token (the position advances on the device), which the host cannot count, so the
         cache becomes ``device_owned`` (its length read from the device from then on). The
         kernels are not noted as run: recording runs nothing, and the caller's replays are not
         seen here. Nothing is allocated or compiled that an earlier, uncaptured call on this cache
         did not (``kernels.routes.decode_layer`` asks for one)."""
-        self.cache.device_owned = True     # first: the host does not count this token (nothing ran)
+        held = self.check_room(length)
+        self.cache.device_owned = True     # before the step: the host does not count this token (nothing ran)
         with dispatch.diverted():
-            out = self(x)
+            out = self(x, held)
             info, names = _int64_info(self.last)
+        self.length = held                 # the host's view: recording decoded nothing
         return (out, *_unpack(info, names))
 
     @torch.no_grad()
-    def replay(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    def replay(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only): one
         graph launch instead of a dozen kernel launches from Python. The graph's out and int64 copy
         of the reads and blocks are copied out with one clone each (the reads and blocks views into
         theirs). Captured again where x's shape or dtype, or where a parameter of the module lives
         (its ``data_ptr``: a parameter replaced, or moved by ``.to()``), is not what it was captured for."""
-        self.check_room()
+        held = self.check_room(length)
         c = self.cache
         key = (x.shape, x.dtype, tuple(_param_ptrs(self.m, [])))
         if self._graph is None or self._graph[3] != key:
-            self._capture(x, key)
+            self._capture(x, key, held)
         graph, x_in, (out, info, names), _, notes = self._graph
         x_in.copy_(x)
         graph.replay()                     # advances next_t and the cache's pos on the device
         dispatch.replay(notes)             # the kernels the capture recorded ran again
         c.advanced()
-        self.length = c.length
+        self.length = held + 1             # (no read of a device_owned cache's length: it would wait for the replay)
         return (out.clone(), *_unpack(info.clone(), names))
 
-    def _capture(self, x: torch.Tensor, key: tuple) -> None:
-        t, x_in = self.length, x.clone()
+    def _capture(self, x: torch.Tensor, key: tuple, t: int) -> None:
+        x_in = x.clone()
+        self.seek(t)
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):      # compiles and warms up: decodes token t, written again by the replay
-            self(x_in)
+            self(x_in, t)
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.seek(t)
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, torch.cuda.graph(graph, stream=side):
-            out = self(x_in)
+            out = self(x_in, t)
             info, names = _int64_info(self.last)
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
         self._graph = (graph, x_in, (out, info, names), key, notes)

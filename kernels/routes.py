@@ -212,8 +212,9 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
 routing.register(routing.DECODE, "step", routing.TRITON, decode_step, triton_unavailable)
 
 
-def decode_layer(m, x, cache):
-    """The whole layer's decode step for x [B, 1, D], token t = cache.length -> (out [B, 1, D],
+def decode_layer(m, x, cache, t: int):
+    """The whole layer's decode step for x [B, 1, D], token t = cache.length (read by the caller: on a
+    ``device_owned`` cache each read is a sync, and this makes none) -> (out [B, 1, D],
     {branch: reads [B, G] int64}, idx [B, G, n] int64) on ``LayerDecodeStep`` (position on the
     device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
@@ -224,17 +225,17 @@ def decode_layer(m, x, cache):
     key = (routing.TRITON, "layer")
     held = cache.kernel_state.get(key)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        if held is None or held[0] is not m or held[1].length != cache.length:
+        if held is None or held[0] is not m or held[1].length != t:
             raise ValueError("NSAAttention.decode under CUDA graph capture: call it once on this cache outside the "
                              "capture first (a warm-up step: it sets up the step's buffers, kernels and position)")
-        return held[1].record(x)          # recorded, not run: no note
+        return held[1].record(x, t)       # recorded, not run: no note
     if held is None or held[0] is not m:
         from kernels.decode_layer import LayerDecodeStep
         held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache))
     step = held[1]
-    if step.length != cache.length:        # (a seek to a full cache stays on its last row; the step then refuses)
-        step.seek(cache.length)
-    out, reads, idx = step.decode(x)
+    if step.length != t:                   # (a seek to a full cache stays on its last row; the step then refuses)
+        step.seek(t)
+    out, reads, idx = step.decode(x, t)
     routing.note(routing.DECODE, "step", routing.TRITON)
     return out, reads, idx
 

@@ -292,7 +292,7 @@ class NSAAttention(nn.Module):
         if route.backend != routing.TORCH and only is None:    # the backend registers "layer" beside "step"
             impl, _ = routing.lookup(routing.DECODE, "layer", route.backend)
             with routing.profiler_range(routing.DECODE, "step"):
-                out, reads, idx = impl(m=self, x=x, cache=cache)
+                out, reads, idx = impl(m=self, x=x, cache=cache, t=t)
             return out, StepInfo(reads, idx)
         # below, the host writes token t's row at a host position: a replay of a captured call would write that row
         # again, and a graph that already decodes into this cache (device_owned) would not see the row

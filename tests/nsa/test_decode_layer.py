@@ -272,6 +272,44 @@ def test_module_decode_in_a_callers_cuda_graph():
             cache.length
 
 
+def _syncs(fn) -> int:
+    """How many times fn() made the host wait for the GPU (torch's sync debug mode, as warnings)."""
+    import warnings
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return sum("synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
+def test_module_decode_host_syncs():
+    """An eager ``m.decode`` on a GPU (after its first call, which captures the step) never makes the
+    host wait for the GPU where the host counts the cache's tokens, so a decode loop's launches queue
+    ahead of the GPU; on a cache a caller's graph decodes into (``device_owned``) it waits once, to
+    read the position before the step (it made four such reads, the last waiting for the step itself)."""
+    if DEV != "cuda":
+        pytest.skip("host synchronisation with the device exists only on a GPU")
+    CFG = CFGS["mlp"]
+    m, _ = _twins(CFG, 9)
+    T = 12
+    x = torch.randn(2, T, CFG.d_model, device=DEV)
+    cache = DecodeCache(CFG, 2, T, device=DEV)
+    with torch.no_grad():
+        m.decode(x[:, :1], cache)                            # sets up and captures the step
+        assert _syncs(lambda: [m.decode(x[:, t:t + 1], cache) for t in (1, 2, 3)]) == 0
+        static = x[:, 4:5].clone()
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            m.decode(static, cache)                          # recorded (never replayed): the cache is device_owned
+        assert cache.device_owned and cache.length == 4
+        assert _syncs(lambda: m.decode(x[:, 4:5], cache)) == 1
+        assert _syncs(lambda: m.decode(x[:, 5:6], cache)) == 1
+        assert cache.length == 6
+
+
 def test_decode_graph_bench():
     """``nsa_validate.bench.decode_graph`` (a stack of layers decoded per layer from Python vs as one
     caller's CUDA graph) at a tiny size: both ways give the same outputs, token after token, and
