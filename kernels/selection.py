@@ -377,6 +377,15 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
 # (registers and shared memory each allow 2: 12.5% occupancy), 0.39 eligible warps per scheduler.
 # 32 rows compile with 236 registers and no spill, but the whole backward was no faster, alternating
 # in one process: 32.9-37.4 vs 32.8-33.5 ms at 64k, 8.2-8.6 vs 8.2-8.7 at 16k, 4.34-4.38 vs 4.29-4.47 at 8k
+# Also measured, not taken: the dk/dv kernel beside the dq kernel rather than after it, so that the L2-bound dq
+# and the latency-bound dk/dv share the SMs: delta, the gate's gradient and lse − ln g from a pass of their
+# own (which dk/dv then needs instead of dq's), dk/dv as a persistent grid of P programs on a second stream
+# (a grid of one program per segment fills the GPU, and a kernel launched beside it waits for its tail).
+# H100, 64k, H=64, G=4, d 128, bf16, gated, the layer's blocks and first row, CUDA events, two rounds, ms:
+# shipped 32.9 / 34.3; dk/dv first, P = 132 / 264 / 528: 33.9-46.1 / 36.2-36.3 / 34.2-35.4; dq first
+# 34.0-45.9 / 34.5-36.4 / 35.9-36.5; one stream 43.1-43.4 / 38.4-38.5 / 36.6-37.2. Alone (each with the
+# pass, the reverse index and the reduce): dq 20.0, dk/dv with P = 264 or 528 18.6 (132: 25.6): the two
+# overlap by ~3 ms, and the pass and the persistent grid cost about that.
 SEGMENT = 1024
 
 
