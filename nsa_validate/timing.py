@@ -1,8 +1,10 @@
 """The one timing helper (docs/method.md). Every bench in the project calls ``bench``.
 
 On a GPU each repetition is bracketed by CUDA events on the current stream, so the figure is the
-GPU's time, not Python's; with ``graph=True`` the work is first captured in a CUDA graph and each
-repetition is one graph replay (no launch overhead at all). With ``queued=True`` each repetition
+GPU's time, not Python's; with ``graph=True`` the work is captured in a CUDA graph, the repetitions
+with their events too, so that the whole timed loop is one graph launch and no host delay can fall
+inside a sample. The warm-up runs the timed loop's iteration for at least WARMUP_MS of GPU time
+first. With ``queued=True`` each repetition
 waits behind a GPU sleep that outlasts the host's launching of it, so every kernel is queued
 before the GPU reaches it: the figure is the GPU's work alone, without the gaps a slow host
 leaves. (CUDA events around a host-bound call measure the host: the GPU runs each kernel as it
@@ -15,6 +17,7 @@ is labelled so (``timer == "cpu"``): such figures are noise for performance purp
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +26,8 @@ from typing import Callable
 import torch
 
 L2_FLUSH_BYTES = 256 << 20      # larger than any current L2 (H100 50 MB, B200 126 MB)
+WARMUP_MS = 25.0                # the least GPU time the warm-up runs for, as ``triton.testing.do_bench``
+MAX_WARMUP = 1000               # but at most this many extra warm-up calls
 
 
 def _evict_l2(buf: torch.Tensor) -> None:
@@ -42,6 +47,7 @@ class Timing:
     l2_flush: bool
     telemetry_before: dict = field(default_factory=dict)
     telemetry_after: dict = field(default_factory=dict)
+    events_in_graph: bool = False    # graph timings: the samples' events recorded inside one graph (``bench``)
 
     def decile(self, k: int) -> float:
         """The k-th decile (k = 2: p20) of the samples, linear interpolation."""
@@ -61,10 +67,13 @@ class Timing:
         return self.decile(8)
 
     def summary(self) -> dict:
-        """What a results record carries: median, band, count, timer, and the raw samples."""
+        """What a results record carries: median, band, count, timer, warm-up calls, the raw samples, and
+        the GPU's clocks, power and temperature before and after (nvidia-smi; where it was read)."""
+        tel = {k: v for k, v in (("telemetry_before", self.telemetry_before),
+                                 ("telemetry_after", self.telemetry_after)) if v}
         return {"median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms,
-                "reps": len(self.samples_ms), "timer": self.timer, "l2_flush": self.l2_flush,
-                "samples_ms": [round(s, 6) for s in self.samples_ms]}
+                "reps": len(self.samples_ms), "timer": self.timer, "l2_flush": self.l2_flush, "warmup": self.warmup,
+                **({"events_in_graph": True} if self.events_in_graph else {}), "samples_ms": [round(s, 6) for s in self.samples_ms], **tel}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,12 +143,23 @@ def _sleep_cycles_per_ms() -> float:
 
 def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, reps: int | None = None,
           budget_ms: float = 400.0, min_reps: int = 5, max_reps: int = 200, l2_flush: bool = True,
-          graph: bool = False, queued: bool = False, telemetry: bool = True) -> Timing:
+          graph: bool = False, queued: bool = False, telemetry: bool = True, warmup_ms: float = WARMUP_MS) -> Timing:
     """Time ``fn()``. ``reps`` None: as many as fit in ``budget_ms`` (within [min_reps, max_reps]),
-    sized by one timed call after the warmup calls; else exactly ``reps``. ``graph``: time
-    replays of a CUDA graph of fn (GPU only). ``queued``: the GPU's work alone, each repetition
-    launched while the GPU sleeps (timer "cuda_queued"; GPU only). A function that waits on the GPU
-    inside cannot get ahead of it, and its queued figure stays its plain one."""
+    sized by one timed iteration (flush and call) after the warmup calls; else exactly ``reps``.
+
+    On a GPU, with ``warmup`` > 0, the warm-up goes on as the timed loop runs (flush, then call)
+    until it has taken ``warmup_ms`` of GPU time (at most MAX_WARMUP more calls): the first few
+    milliseconds of a GPU-bound loop after lighter work run slower (H100, decode step B=16, 64k, in a
+    ``oneshot``, three warm-up calls after a host-bound phase: the first 20 of 200 samples 118 µs, the
+    rest 106-107). ``warmup`` = 0: no warm-up at all. ``Timing.warmup`` counts every warm-up call.
+
+    ``graph``: fn captured in a CUDA graph (GPU only). Where torch records CUDA events inside a graph
+    (``Event(external=True)``), the whole timed loop is one graph, [flush, event, fn, event] × n, so
+    nothing the host does (or fails to do in time) can fall between a sample's two events
+    (``Timing.events_in_graph``); else each repetition is a replay between events on the stream.
+    ``queued``: the GPU's work alone, each repetition launched while the GPU sleeps (timer
+    "cuda_queued"; GPU only). A function that waits on the GPU inside cannot get ahead of it, and
+    its queued figure stays its plain one."""
     def n_reps(est_ms: float) -> int:
         return reps or max(min_reps, min(max_reps, int(budget_ms / max(est_ms, 1e-3))))
 
@@ -162,14 +182,53 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
     for _ in range(warmup):
         run()
     flush = torch.ones(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if l2_flush else None
+    if flush is not None:
+        _evict_l2(flush)            # its kernel loads now, not inside the sizing iteration's events
     torch.cuda.synchronize()
-    if reps is None:                # one timed call to size the run
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    warm = warmup > 0 and warmup_ms > 0
+    iter_ms = run_ms = None
+    if reps is None or warm:        # one timed iteration, as the loop below runs it, to size the run
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
-        run()
+        if flush is not None:
+            _evict_l2(flush)
         e1.record()
+        run()
+        e2.record()
         torch.cuda.synchronize()
-    n = reps or n_reps(e0.elapsed_time(e1))
+        warmup += 1
+        iter_ms, run_ms = e0.elapsed_time(e2), e1.elapsed_time(e2)
+    n = reps or n_reps(run_ms)
+    in_graph = graph and _events_in_graph()
+    if in_graph:
+        samples, warmed = _timed_graph(fn, n, flush, warmup_ms if warm else 0.0)
+        warmup += warmed
+    else:
+        if warm:                    # the rest of the warm-up, as the loop runs
+            more = max(0, min(MAX_WARMUP, math.ceil(warmup_ms / max(iter_ms, 1e-3)) - 1))
+            for _ in range(more):
+                if flush is not None:
+                    _evict_l2(flush)
+                run()
+            warmup += more
+            torch.cuda.synchronize()
+        samples = _timed_stream(run, n, flush, queued)
+    after = _telemetry() if telemetry else {}
+    timer = "cuda_graph" if graph else "cuda_queued" if queued else "cuda_events"
+    return Timing(timer, samples, warmup, l2_flush, before, after, events_in_graph=in_graph)
+
+
+def _events_in_graph() -> bool:
+    """Whether this torch records CUDA events as nodes of a captured graph (``external=True``)."""
+    try:
+        torch.cuda.Event(enable_timing=True, external=True)
+    except TypeError:
+        return False
+    return True
+
+
+def _timed_stream(run: Callable[[], object], n: int, flush, queued: bool) -> list[float]:
+    """n repetitions launched from the host, each between CUDA events on the stream (ms each)."""
     sleep = 0
     if queued:                      # outlast the host's launching of one repetition, twice over
         t0 = time.perf_counter()
@@ -188,7 +247,45 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
         run()
         ends[i].record()
     torch.cuda.synchronize()
-    samples = [a.elapsed_time(b) for a, b in zip(starts, ends)]
-    after = _telemetry() if telemetry else {}
-    timer = "cuda_graph" if graph else "cuda_queued" if queued else "cuda_events"
-    return Timing(timer, samples, warmup, l2_flush, before, after)
+    return [a.elapsed_time(b) for a, b in zip(starts, ends)]
+
+
+def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> tuple[list[float], int]:
+    """n repetitions of fn as one CUDA graph, [flush, event, fn, event] × n, the events recorded by the
+    graph itself: (the samples in ms, warm-up calls made). The graph is replayed whole until the
+    replays have taken ``warmup_ms`` (none for 0), then once more for the samples.
+
+    With each repetition a replay launched from the host instead, a host that falls behind the GPU
+    lands inside the samples: H100, the decode step at B=1, 64k (25 µs of GPU work, 200 samples), a
+    ``suite decode`` run's first bench took its first ~80 samples at 96-708 µs. In one graph the
+    samples are GPU time alone, and they leave out the graph's launch from the host, which each
+    replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
+    B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
+    _warm_graph_replays()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):      # as _capture: warm-up calls on a side stream before capturing
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
+              for _ in range(n)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for a, b in events:
+            if flush is not None:
+                _evict_l2(flush)
+            a.record()
+            fn()
+            b.record()
+    warmed = 0
+    if warmup_ms > 0:
+        g.replay()
+        torch.cuda.synchronize()
+        whole = events[0][0].elapsed_time(events[-1][1])        # GPU time of one replay (its first flush aside)
+        replays = max(1, math.ceil(warmup_ms / max(whole, 1e-3)))
+        for _ in range(replays - 1):
+            g.replay()
+        warmed = replays * n
+    g.replay()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events], warmed

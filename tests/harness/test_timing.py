@@ -28,6 +28,47 @@ def test_cpu_bench_is_labelled_cpu_and_respects_reps():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
+def test_gpu_warmup_runs_for_warmup_ms_of_gpu_time():
+    """On a GPU the warm-up runs the timed loop's iteration (flush, call) until it has taken
+    WARMUP_MS of GPU time; warmup=0 means none at all. A call of ~1 ms of GPU sleep needs ~25."""
+    from nsa_validate.timing import _sleep_cycles_per_ms
+    cycles = int(_sleep_cycles_per_ms())
+    calls = []
+
+    def fn():
+        calls.append(1)
+        torch.cuda._sleep(cycles)
+    t = timing.bench(fn, reps=5, telemetry=False)
+    assert len(calls) == t.warmup + 5 and len(t.samples_ms) == 5
+    assert timing.WARMUP_MS / 1.5 <= t.warmup <= timing.WARMUP_MS + 4, t.warmup
+    calls.clear()
+    t = timing.bench(fn, reps=5, warmup=0, telemetry=False)
+    assert len(calls) == 5 and t.warmup == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
+def test_graph_samples_are_gpu_time_even_when_the_host_lags(monkeypatch):
+    """graph=True: a host that is late launching the work must not land inside the samples. Every
+    graph replay here first sleeps 2 ms on the host; the samples of 0.2 ms of GPU work stay 0.2 ms
+    (each replay launched between events on the stream would measure ~2 ms)."""
+    from nsa_validate.timing import _events_in_graph, _sleep_cycles_per_ms
+    if not _events_in_graph():
+        pytest.skip("this torch cannot record CUDA events inside a graph (Event(external=True))")
+    cycles = int(0.2 * _sleep_cycles_per_ms())
+    replay = torch.cuda.CUDAGraph.replay
+
+    def late(self):
+        time.sleep(2e-3)
+        replay(self)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", late)
+    t = timing.bench(lambda: torch.cuda._sleep(cycles), graph=True, reps=20, telemetry=False)
+    assert t.timer == "cuda_graph" and t.events_in_graph and len(t.samples_ms) == 20
+    assert max(t.samples_ms) < 0.5, t.samples_ms
+    # the warm-up ran the graph for WARMUP_MS of GPU time (an iteration: the flush, < 0.1 ms, and 0.2 ms)
+    assert t.warmup >= timing.WARMUP_MS / 0.3, t.warmup
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
 def test_queued_timing_tells_a_host_bound_call_from_a_gpu_bound_one():
     """CUDA events around a call that launches slower than the GPU runs measure the host; queued,
     the same call shows the GPU's work alone. A GPU-bound call measures the same both ways."""
