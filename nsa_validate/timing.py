@@ -109,15 +109,20 @@ def _warm_graph_replays() -> None:
     torch.cuda.synchronize()
 
 
-def _capture(fn: Callable[[], object]) -> Callable[[], None]:
-    """Capture fn in a CUDA graph (warmed up on a side stream, as torch.cuda.graphs requires)."""
-    _warm_graph_replays()
+def _side_stream_calls(fn: Callable[[], object], calls: int) -> None:
+    """fn called on a side stream: the warm-up torch.cuda.graphs asks for before a capture."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(calls):
             fn()
     torch.cuda.current_stream().wait_stream(s)
+
+
+def _capture(fn: Callable[[], object]) -> Callable[[], None]:
+    """Capture fn in a CUDA graph (warmed up on a side stream, as torch.cuda.graphs requires)."""
+    _warm_graph_replays()
+    _side_stream_calls(fn, 3)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
@@ -262,11 +267,7 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
     replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
     B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
     _warm_graph_replays()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):      # as _capture: warm-up calls on a side stream before capturing
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
+    _side_stream_calls(fn, 1)       # fn ran (graph-replayed) just before: one call to satisfy the capture
     events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
               for _ in range(n)]
     g = torch.cuda.CUDAGraph()
