@@ -262,7 +262,7 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
 
     With each repetition a replay launched from the host instead, a host that falls behind the GPU
     lands inside the samples: H100, the decode step at B=1, 64k (25 µs of GPU work, 200 samples), a
-    ``suite decode`` run's first bench took its first ~80 samples at 96-708 µs. In one graph the
+    ``suite decode`` run's first bench took 78 of its first 104 samples at 39-708 µs. In one graph the
     samples are GPU time alone, and they leave out the graph's launch from the host, which each
     replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
     B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
