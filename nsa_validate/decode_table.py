@@ -54,6 +54,9 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
 TABLE = "decode step: ms, medians of the samples"
 
 
+WS_SPREAD = 0.03     # workspaces' medians further apart than this get a note (placement alone moves them ~1%)
+
+
 def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = None) -> pd.DataFrame:
     """Label ``rows`` per batch size, write CSV and plots under ``extra.dir`` (when set), add the
     report table and notes to ``extra`` (extra.SuiteExtra). ``meta`` (``RunContext.run_meta``:
@@ -87,6 +90,13 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
             "launch-bound": ("yes: " + r["launch_bound_why"]) if r["launch_bound"] else "no"})
     for n in notes:
         extra.note(n)
+    for r in df.to_dict("records"):
+        lo, hi = r.get("step_ws_min_ms"), r.get("step_ws_max_ms")
+        if lo and hi and not (math.isnan(lo) or math.isnan(hi)) and hi > (1 + WS_SPREAD) * lo:
+            extra.note(f"B={r['B']}, S={r['S']}: the same step timed on its {int(r['workspaces'])} workspaces took "
+                       f"{_f(lo)}-{_f(hi)} ms, {100 * (hi / lo - 1):.1f}% apart; the headline is the first's. On an "
+                       "H100 the step has run ~6% slower in spells of about a second, whatever its buffers "
+                       "(docs/method.md, Decode bench): compare such a row with care")
     extra.note("decode.csv columns: " + "; ".join(f"`{k}` {v}" for k, v in COLUMNS.items()))
     return df
 

@@ -55,8 +55,13 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
     extra = SuiteExtra(str(tmp_path / "suites" / "decode"))
     meta = {"run_id": "abc1234/20261123T000000Z-host", "gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
             "level": "standard", "dtype": "bf16"}
+    rows[-1].update(step_ws_min_ms=rows[-1]["step_ms"], step_ws_max_ms=1.06 * rows[-1]["step_ms"], workspaces=3)
+    rows[0].update(step_ws_min_ms=rows[0]["step_ms"], step_ws_max_ms=1.02 * rows[0]["step_ms"], workspaces=3)
     df = decode_table.finish(rows, extra, meta=meta)
     assert df.launch_bound.all() and df.launch_bound_why.str.contains("flat").all()
+    # workspaces further apart than WS_SPREAD get a note (the S=4096 row), closer ones not (S=128)
+    spread = [n for n in extra.data["notes"] if "workspaces took" in n]
+    assert len(spread) == 1 and spread[0].startswith("B=1, S=4096:") and "6.0% apart" in spread[0], spread
     import pandas as pd
     csv = pd.read_csv(tmp_path / "suites" / "decode" / "decode.csv")
     assert list(csv.columns[:5]) == list(meta) and (csv.gpu == meta["gpu"]).all() and len(csv) == 4
