@@ -71,9 +71,11 @@ class Timing:
         the GPU's clocks, power and temperature before and after (nvidia-smi; where it was read)."""
         tel = {k: v for k, v in (("telemetry_before", self.telemetry_before),
                                  ("telemetry_after", self.telemetry_after)) if v}
+        if self.events_in_graph:
+            tel["events_in_graph"] = True
         return {"median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms,
                 "reps": len(self.samples_ms), "timer": self.timer, "l2_flush": self.l2_flush, "warmup": self.warmup,
-                **({"events_in_graph": True} if self.events_in_graph else {}), "samples_ms": [round(s, 6) for s in self.samples_ms], **tel}
+                "samples_ms": [round(s, 6) for s in self.samples_ms], **tel}
 
     def to_dict(self) -> dict:
         return asdict(self)
