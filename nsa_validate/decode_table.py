@@ -69,7 +69,8 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
         extra.dir.mkdir(parents=True, exist_ok=True)
         figures.with_run_columns(df, meta).to_csv(extra.dir / "decode.csv", index=False)
         _plots(df, extra, meta)
-    for r in df.to_dict("records"):
+    records = df.to_dict("records")
+    for r in records:
         extra.row(TABLE, {
             "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
             "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}",
@@ -90,9 +91,9 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
             "launch-bound": ("yes: " + r["launch_bound_why"]) if r["launch_bound"] else "no"})
     for n in notes:
         extra.note(n)
-    for r in df.to_dict("records"):
+    for r in records:
         lo, hi = r.get("step_ws_min_ms"), r.get("step_ws_max_ms")
-        if lo and hi and not (math.isnan(lo) or math.isnan(hi)) and hi > (1 + WS_SPREAD) * lo:
+        if pd.notna(lo) and pd.notna(hi) and hi > (1 + WS_SPREAD) * lo:
             extra.note(f"B={r['B']}, S={r['S']}: the same step timed on its {int(r['workspaces'])} workspaces took "
                        f"{_f(lo)}-{_f(hi)} ms, {100 * (hi / lo - 1):.1f}% apart; the headline is the first's. On an "
                        "H100 the step has run ~6% slower in spells of about a second, whatever its buffers "

@@ -17,6 +17,7 @@ is labelled so (``timer == "cpu"``): such figures are noise for performance purp
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -69,13 +70,12 @@ class Timing:
     def summary(self) -> dict:
         """What a results record carries: median, band, count, timer, warm-up calls, the raw samples, and
         the GPU's clocks, power and temperature before and after (nvidia-smi; where it was read)."""
-        tel = {k: v for k, v in (("telemetry_before", self.telemetry_before),
-                                 ("telemetry_after", self.telemetry_after)) if v}
-        if self.events_in_graph:
-            tel["events_in_graph"] = True
+        optional = {k: v for k, v in (("telemetry_before", self.telemetry_before),
+                                      ("telemetry_after", self.telemetry_after),
+                                      ("events_in_graph", self.events_in_graph)) if v}
         return {"median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms,
                 "reps": len(self.samples_ms), "timer": self.timer, "l2_flush": self.l2_flush, "warmup": self.warmup,
-                "samples_ms": [round(s, 6) for s in self.samples_ms], **tel}
+                "samples_ms": [round(s, 6) for s in self.samples_ms], **optional}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -225,8 +225,9 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
     return Timing(timer, samples, warmup, l2_flush, before, after, events_in_graph=in_graph)
 
 
+@functools.cache
 def _events_in_graph() -> bool:
-    """Whether this torch records CUDA events as nodes of a captured graph (``external=True``)."""
+    """Whether this torch records CUDA events as nodes of a captured graph (``external=True``); asked once."""
     try:
         torch.cuda.Event(enable_timing=True, external=True)
     except TypeError:
@@ -260,7 +261,8 @@ def _timed_stream(run: Callable[[], object], n: int, flush, queued: bool) -> lis
 def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> tuple[list[float], int]:
     """n repetitions of fn as one CUDA graph, [flush, event, fn, event] × n, the events recorded by the
     graph itself: (the samples in ms, warm-up calls made). The graph is replayed whole until the
-    replays have taken ``warmup_ms`` (none for 0), then once more for the samples.
+    replays have taken ``warmup_ms`` (none for 0), then once more for the samples. ``bench`` calls it
+    after ``_capture(fn)``, which has warmed the process's graph replays (``_warm_graph_replays``).
 
     With each repetition a replay launched from the host instead, a host that falls behind the GPU
     lands inside the samples: H100, the decode step at B=1, 64k (25 µs of GPU work, 200 samples), a
@@ -268,7 +270,6 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
     samples are GPU time alone, and they leave out the graph's launch from the host, which each
     replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
     B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
-    _warm_graph_replays()
     _side_stream_calls(fn, 1)       # fn ran (graph-replayed) just before: one call to satisfy the capture
     events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
               for _ in range(n)]
