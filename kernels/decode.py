@@ -268,7 +268,13 @@ SCORES_EARLY_PROGRAMS = 1024
 # (a per-row counter, release / acquire atomics) merging the row's partials, all d_v columns 32 at a time. H100,
 # `suite decode --level full -k "test_bench and (S65536 or S131072)"`, two rounds alternating with this code: B=16
 # 64k 112.2 / 112.3 vs 107.5 / 107.7 us, 128k 186.6 / 186.3 vs 173.9 / 173.8 (the window + selection kernel
-# carrying the merge's code); B=1 unchanged (not fused there).
+# carrying the merge's code); B=1 unchanged (not fused there). And below it (early trigger), the merge launch kept but
+# waiting on its own row only: each window + selection program adding one to a per-row count once its partials are
+# stored (a barrier, then a release atomic), the merge's programs polling the count (acquire) instead of waiting for
+# the whole launch to finish (the compressed launch reset the count after its wait). Outputs bit-identical, 2000
+# graph replays each at B=1 / 4 64k and B=2 16k without a difference, but slower (H100, graph-replayed, read flush,
+# one workspace, four rounds alternating, us): 64k B=1 25.6 vs 25.2-25.4, B=2 32.1-32.4 vs 31.0-31.3, B=4 42.5-42.7
+# vs 42.1-42.3; 128k B=1 32.9 vs 32.6-32.7; 16k B=1 23.4-23.5 vs 22.8.
 # Measured and not taken (H100, paper config, graph-replayed, read flush, three rounds each, us; outputs checked against
 # this code's): the window walked by the compressed launch's programs (compressed program c also walking window chunk c,
 # token t's k/v read from the new token's buffer) and the selection alone in the second partial launch, its tiles per
