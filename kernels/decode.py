@@ -34,8 +34,7 @@ that one has finished and its writes are visible (``_grid_dependency``; the merg
 compressed partials, written at least two launches back, before it waits: ``CMP_EARLY``), which takes the launch
 gaps out of a small step (B=1, 64k on the H100: 38.6-39.2 -> 35.5-35.9 us, graph-replayed). For few rows the
 next launch is let go when a kernel starts; for many, when its programs' loops are done (``EARLY_TRIGGER_ROWS``),
-except the top-n, which lets it go before its own wait, and the block scores where the window does not wait and
-their grid is small (``SCORES_EARLY_PROGRAMS``), which let it go at their start. Where the step appends the new token itself (``DecodeStep``
+except the top-n, which lets it go before its own wait. Where the step appends the new token itself (``DecodeStep``
 given k_new/v_new) and runs all three branches, the window programs do not wait at all: they read nothing the step's
 earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
 the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t from the new token's row.)
@@ -219,9 +218,9 @@ CMP_EARLY = True
 # rounds alternating: B=16 128k 170.3-172.9 vs 172.1-174.0, 64k 104.1-106.6 vs 104.3-106.3, B=8 64k 63.7-64.1 vs
 # 64.1-64.7, 128k 97.0-97.1 vs 95.7-96.0, B=32 64k 199.4-200.0 vs 197.0-197.7, 16k 60.2-60.6 vs 59.4-59.8.
 WIN_NOWAIT = True
-# Where the window does not wait (WIN_NOWAIT) above EARLY_TRIGGER_ROWS and the block-scores launch has at most this many
-# programs, that launch lets the top-n go at its start (GDC 2, after its wait) rather than at the end of its programs
-# (GDC 3): the top-n, which lets the window + selection launch go first (GDC 4), is then launched while the scores run,
+# Measured, shipped from 16bb9f0, and taken out again (the scores-first trigger): where the window does not wait
+# (WIN_NOWAIT) above EARLY_TRIGGER_ROWS and the block-scores launch has at most 1024 programs, that launch let the top-n
+# go at its start (GDC 2, after its wait) rather than at the end of its programs (GDC 3): the top-n, which lets the window + selection launch go first (GDC 4), is then launched while the scores run,
 # and the window streams from the scores' end rather than from the top-n's start. Per-program timeline (globaltimer,
 # H100, B=16 64k, three replays): window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs'
 # wait ends at 79.1-80.6 instead of 80.9-81.4. H100, paper config, graph-replayed, read flush, eight rounds rotating the
@@ -239,7 +238,15 @@ WIN_NOWAIT = True
 # 196.6-197.5 and B=4 (two-block tiles) 51.8-52.2 vs 45.0-45.4. Its timeline (B=16 64k): the selection programs that
 # start before the top-n ends read their forced blocks then, but those dispatched last start as it ends and read them
 # after, when the bandwidth is already taken: the last selection program ends no earlier.
-SCORES_EARLY_PROGRAMS = 1024
+# Why the scores-first trigger went: the step's time with it depends on a state of the GPU (docs/method.md, Decode
+# bench: after eager steps the top-n took 14.7-14.9 us instead of 7.2) and without it far less. H100, one variant per
+# process (the state never showed in processes that had captured several), three workspaces, each a graph of 20
+# [read flush, step] replayed 15 times, three rounds each after ~3 ms of 1 GiB copies and after 50 ms of eager
+# steps, us, with / without: B=16 64k 99.9-100.0 / 101.0-101.3 after copies, 105.4-105.8 / 99.9-100.2 after eager
+# steps; B=8 64k 60.6-60.8 / 61.5-61.9 and 63.7-63.9 / 60.9-61.0; B=8 128k 91.8-92.3 / 92.0-92.4 and 92.2-92.3 /
+# 92.3-92.4; B=16 16k 56.7-57.0 / 57.0-57.1 and 56.6-56.7 / 56.8-57.0. (Another run, B=16 64k: 99.9-100.1 / 100.9-101.2
+# after copies, 105.4-106.3 / 99.8-100.2 after eager steps; the window waiting instead, 102.0-102.2 and 100.4-100.7.)
+# Without it the worst of the two states is 4.5 us lower at B=16 64k and 2 us at B=8 64k, for 1 us more in the better.
 # The compressed launch stores its block sums and maxima (the scores launch's input) with evict_last: the
 # compressed cache streaming through L2 then does not evict them (written back to DRAM mid-launch and read back
 # from there by the scores launch) before they are scored. H100, `suite decode -k test_bench` alternating with
@@ -329,7 +336,7 @@ SCORES_EARLY_PROGRAMS = 1024
 # Measured and not taken: the block sums kept in registers over a compressed program's tiles ([h, tiles, blocks a
 # tile], rescaled with the softmax's max like acc, the overhang into the next tile added there) and stored once a
 # program, relative to the max the partial stores (the per-tile stores cost the compressed launch ~4 us at B=16 64k:
-# see the record after SCORES_EARLY_PROGRAMS). The same blocks and outputs, but 255 registers with 76-114 bytes
+# see the evict_last record after WIN_NOWAIT). The same blocks and outputs, but 255 registers with 76-114 bytes
 # spilled (198 without): H100, graph-replayed, read flush, one workspace, six rounds, us: B=4 64k 57.7-58.0 vs
 # 43.5-43.8, B=8 89.3-89.8 vs 63.2-63.8, B=32 323.5-324.9 vs 195.3-196.1, B=16 16k 78.4-78.7 vs 58.6-59.3.
 # Measured and not taken: the block sums without products (p as [h, blocks, l'/d tokens] summed over its last axis:
@@ -1013,12 +1020,10 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
-        scores_first = nowait and p.gdc == 3 and BG * (NBP // BJ) <= SCORES_EARLY_PROGRAMS
-        scores_pdl = dict(pdl, GDC=2 if scores_first else p.gdc)
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
                                         BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
-                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **scores_pdl)
+                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **pdl)
         _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
                             BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
                             NBP=NBP, num_warps=SELECT_WARPS, **topn_pdl)
