@@ -96,9 +96,9 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
         if pd.notna(lo) and pd.notna(hi) and hi > (1 + WS_SPREAD) * lo:
             extra.note(f"B={r['B']}, S={r['S']}: the same step timed on its {int(r['workspaces'])} workspaces took "
                        f"{_f(lo)}-{_f(hi)} ms, {100 * (hi / lo - 1):.1f}% apart; the headline is the first's. On an "
-                       "H100 the step has run ~6% slower, whatever its buffers, in a state the GPU can hold for seconds "
-                       "(its top-n kernel taking twice as long; docs/method.md, Decode bench): compare such a row "
-                       "with care")
+                       "H100 the step has run up to ~6% slower, whatever its buffers, in a state of the GPU that eager "
+                       "launches bring on and that lasts for seconds (docs/method.md, Decode bench): compare such a "
+                       "row with care")
     extra.note("decode.csv columns: " + "; ".join(f"`{k}` {v}" for k, v in COLUMNS.items()))
     return df
 
