@@ -221,8 +221,8 @@ WIN_NOWAIT = True
 # Measured, shipped from 16bb9f0, and taken out again (the scores-first trigger): where the window does not wait
 # (WIN_NOWAIT) above EARLY_TRIGGER_ROWS and the block-scores launch has at most 1024 programs, that launch let the top-n
 # go at its start (GDC 2, after its wait) rather than at the end of its programs (GDC 3): the top-n, which lets the
-# window + selection launch go first (GDC 4), is then launched while the scores run, and the window streams from the scores' end rather than from the top-n's start. Per-program timeline (globaltimer,
-# H100, B=16 64k, three replays): window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs'
+# window + selection launch go first (GDC 4), is then launched while the scores run, and the window streams from the
+# scores' end rather than from the top-n's start. Per-program timeline (globaltimer, H100, B=16 64k, three replays): window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs'
 # wait ends at 79.1-80.6 instead of 80.9-81.4. H100, paper config, graph-replayed, read flush, eight rounds rotating the
 # order, one workspace shared by the variants, us, outputs bit-identical, with vs without: B=16 64k 105.2-105.8 vs
 # 105.8-106.8, 16k 58.7-59.0 vs 59.6-60.3; B=8 64k 63.7-64.1 vs 64.4-64.6, 128k (1024 programs) 95.8-96.4 vs 95.8-96.4.
