@@ -222,13 +222,14 @@ WIN_NOWAIT = True
 # (WIN_NOWAIT) above EARLY_TRIGGER_ROWS and the block-scores launch has at most 1024 programs, that launch let the top-n
 # go at its start (GDC 2, after its wait) rather than at the end of its programs (GDC 3): the top-n, which lets the
 # window + selection launch go first (GDC 4), is then launched while the scores run, and the window streams from the
-# scores' end rather than from the top-n's start. Per-program timeline (globaltimer, H100, B=16 64k, three replays): window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs'
-# wait ends at 79.1-80.6 instead of 80.9-81.4. H100, paper config, graph-replayed, read flush, eight rounds rotating the
-# order, one workspace shared by the variants, us, outputs bit-identical, with vs without: B=16 64k 105.2-105.8 vs
-# 105.8-106.8, 16k 58.7-59.0 vs 59.6-60.3; B=8 64k 63.7-64.1 vs 64.4-64.6, 128k (1024 programs) 95.8-96.4 vs 95.8-96.4.
-# Over 1024 programs it was slower (each variant its own workspace, which alone moves a step by up to 5 us: see
-# docs/method.md): B=16 128k (2048 programs) 179.7-182.8 vs 172.5-173.1, B=32 64k 200.5-201.2 vs 198.0-198.9; in the
-# 128k timeline some top-n programs, their wait over, took 16-17 us instead of 7, and the selection waited for them.
+# scores' end rather than from the top-n's start. Per-program timeline (globaltimer, H100, B=16 64k, three replays):
+# window programs start at 73.0-74.2 us instead of 76.0-76.8, the selection programs' wait ends at 79.1-80.6 instead of
+# 80.9-81.4. H100, paper config, graph-replayed, read flush, eight rounds rotating the order, one workspace shared by
+# the variants, us, outputs bit-identical, with vs without: B=16 64k 105.2-105.8 vs 105.8-106.8, 16k 58.7-59.0 vs
+# 59.6-60.3; B=8 64k 63.7-64.1 vs 64.4-64.6, 128k (1024 programs) 95.8-96.4 vs 95.8-96.4. Over 1024 programs it was
+# slower (each variant its own workspace, which alone moves a step by up to 5 us: see docs/method.md): B=16 128k (2048
+# programs) 179.7-182.8 vs 172.5-173.1, B=32 64k 200.5-201.2 vs 198.0-198.9; in the 128k timeline some top-n programs,
+# their wait over, took 16-17 us instead of 7, and the selection waited for them.
 # (Scoring programs of 128 blocks, so that those two have 1024 programs and take this too: 185.2-190.1 vs 171.9-172.8
 # us and 207.5-208.9 vs 198.7-199.5.)
 # Measured and not taken, the same shared-workspace runs: the selection programs reading the forced blocks (0 and the
