@@ -33,7 +33,15 @@ H=64, G=4, d 128, inference, do_bench: chain of three 2.53 / 34.4 ms and window 
 compressed branch's (tensor-core bound) on a second stream beside the selection's, the dense prefix's
 and the window's (the selection's L2-bound), each with a dq of its own, added after: H100, 64k, the
 same shape, CUDA events, five reps, ms: 77.4 and 78.2 vs 76.6 and 83.3 on one stream (the compressed
-backward alone 33.1, the rest alone 44.7): they ran one after the other all the same.
+backward alone 33.1, the rest alone 44.7): they ran one after the other all the same. Nor when the
+compressed, prefix and window backward kernels ran as a persistent grid (each program walking tiles in a
+loop, the longest first; gradients bit-identical) on a high-priority second stream, launched before the
+selection's backward on a third, so that an SM could hold one of theirs beside the selection's programs;
+dq, dk and dv of the two sides summed after. H100, 64k, the same shape, CUDA events, five reps, two
+rounds, medians, ms: one stream 76.6 / 77.4; two streams without the persistent grid 81.0 / 80.0; with
+one program per SM 80.8 / 81.1, two 78.0 / 79.3, 1.5 80.8 / 80.6; one per SM at normal priority 85.1 /
+84.3. Alone: the compressed side 43.1 (53.3 as one program per SM), the selection's 36.5. Whether the
+selection's programs fitted beside the persistent ones (registers, shared memory) was not checked.
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
