@@ -539,7 +539,15 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     (compressed and window); with 8 warps they compile and are slower: compressed forward 10.7-10.9 vs 9.1-10.3,
     window forward 4.02-4.07 vs 3.47-3.73, whole compressed backward with dq specialized 46.0-49.6 vs 30.5-31.5
     (window 15.3-15.7 vs 10.5-11.6); dk/dv specialized (4 or 8 warps) 30.8-35.2 vs 30.6-34.2 (window 10.7-11.7 vs
-    10.5-11.0): no gain."""
+    10.5-11.0): no gain. Swept again at 64k (H100, d 128, bf16, do_bench, two rounds, ms; registers as ptxas
+    gave them): forward 128 rows / BC 64 / 4 warps / 2 stages (255 registers, 36 spilled) 9.1 / 10.1 vs 8 warps
+    (175, none spilled) 10.7 / 10.7, with 3 stages 10.4 / 11.2; 64 rows / 4 warps (176) 10.2 / 10.5, 3 stages 9.9 /
+    10.5; BC 32 10.9-11.5; 256 rows / BC 32 / 8 warps 12.5-12.6; BC 128 / 8 warps 10.1-10.6. The whole backward by
+    dq setting: 64 rows / 4 warps / 2 stages 30.6 / 32.2 vs 128 rows / 8 warps 31.6 / 32.9, with 3 stages 30.2 /
+    31.7; BC 32 34.3-35.9; 64 rows with 3 stages 32.7-34.4. The window's whole backward (w=512) by dk/dv setting:
+    64 rows / BC 128 / 8 warps / 3 stages 10.5 / 10.6 vs 2 stages 11.1-11.9, 32 rows 10.9-11.5, BC 64 / 4 warps
+    12.2-13.7, 128 rows 15.4-19.7; by dq setting: 10.6 / 10.9 vs BC 32 10.4 / 10.9, 128 rows / 8 warps 10.8-11.3, 3
+    stages 12.3-12.4. None ahead by more than the rounds' spread."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
