@@ -40,8 +40,11 @@ selection's backward on a third, so that an SM could hold one of theirs beside t
 dq, dk and dv of the two sides summed after. H100, 64k, the same shape, CUDA events, five reps, two
 rounds, medians, ms: one stream 76.6 / 77.4; two streams without the persistent grid 81.0 / 80.0; with
 one program per SM 80.8 / 81.1, two 78.0 / 79.3, 1.5 80.8 / 80.6; one per SM at normal priority 85.1 /
-84.3. Alone: the compressed side 43.1 (53.3 as one program per SM), the selection's 36.5. Whether the
-selection's programs fitted beside the persistent ones (registers, shared memory) was not checked.
+84.3. Alone: the compressed side 43.1 (53.3 as one program per SM), the selection's 36.5. By the
+registers and shared memory ptxas gave the kernels (H100, in the layer; not observed on the SMs): a
+compressed dk/dv program (8 warps × 255 registers) fills an SM's register file, so nothing runs beside
+it; beside a compressed dq program (4 warps, 214 registers, 99 KB) two selection dq programs fit (2 warps,
+156 registers, 43 KB), where five fit alone.
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp
