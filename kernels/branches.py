@@ -35,7 +35,7 @@ and the window's (the selection's L2-bound), each with a dq of its own, added af
 same shape, CUDA events, five reps, ms: 77.4 and 78.2 vs 76.6 and 83.3 on one stream (the compressed
 backward alone 33.1, the rest alone 44.7): they ran one after the other all the same. Nor when the
 compressed, prefix and window backward kernels ran as a persistent grid (each program walking tiles in a
-loop, the longest first; gradients bit-identical) on a high-priority second stream, launched before the
+loop, the longest first; their gradients bit-identical to the normal grid's) on a high-priority second stream, launched before the
 selection's backward on a third, so that an SM could hold one of theirs beside the selection's programs;
 dq, dk and dv of the two sides summed after. H100, 64k, the same shape, CUDA events, five reps, two
 rounds, medians, ms: one stream 76.6 / 77.4; two streams without the persistent grid 81.0 / 80.0; with
