@@ -245,7 +245,12 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     And the head loop of a chunk (H100, do_bench, three rounds, 64k d_k 128 / 8k / 64k d_k 192, ms, vs 7.45-8.00 /
     0.297-0.298 / 11.1-11.5): unrolled by 2 (``loop_unroll_factor``) 8.0-8.5 / 0.296-0.298 / 15.4-15.5; fully unrolled
     (``static_range``) 12.4 / 0.50 / 20.3; its own 2 stages 8.25-8.35 / 0.306-0.307 / 11.9; 1 stage 9.7 / 0.35 / 15.6;
-    warp-specialized: Triton 3.6's NVGPUWarpSpecialization pass fails on it."""
+    warp-specialized: Triton 3.6's NVGPUWarpSpecialization pass fails on it. The lse of the program's h heads loaded
+    once (a [BT, h] tile; each head's column picked in the loop) instead of per head and chunk (H100, do_bench, three
+    rounds alternating, ms): 8k 0.229-0.236 vs 0.232-0.240, 16k 0.566-0.567 vs 0.575-0.578, 64k 7.21-7.42 vs
+    7.12-7.35; the same blocks at 8k and 16k, not at 64k (the compiled arithmetic differs: near-ties went the other
+    way): not taken. (Compiled for sm90 the kernel waits for each chunk's keys as it loads them and for each head's
+    product as it issues it; only the q loads run ahead.)"""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
