@@ -250,7 +250,9 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     rounds alternating, ms): 8k 0.229-0.236 vs 0.232-0.240, 16k 0.566-0.567 vs 0.575-0.578, 64k 7.21-7.42 vs
     7.12-7.35; the same blocks at 8k and 16k, not at 64k (the compiled arithmetic differs: near-ties went the other
     way): not taken. (Compiled for sm90 by Triton 3.9, the kernel waits for each chunk's keys as it loads them and
-    for each head's product as it issues it; only the q loads run ahead. Not checked with the GPU's Triton 3.6.)"""
+    for each head's product as it issues it; only the q loads run ahead. Not checked with the GPU's Triton 3.6. The
+    head loop pipelined by hand, the next head's product issued before this head's exp2, compiled the same way, a
+    wait right after each product, and spilled: not run.)"""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
