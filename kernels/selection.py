@@ -386,18 +386,18 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
 # 34.0-45.9 / 34.5-36.4 / 35.9-36.5; one stream 43.1-43.4 / 38.4-38.5 / 36.6-37.2. Alone (each with the
 # pass, the reverse index and the reduce): dq 20.0, dk/dv with P = 264 or 528 18.6 (132: 25.6): the two
 # overlap by ~3 ms, and the pass and the persistent grid cost about that.
-# A lead, probed and not built: the dq kernel reads half its bytes (the selected blocks' V) only to form dP = dO·Vᵀ,
-# which the dk/dv kernel forms too. With the dk/dv kernel storing dSᵀ per (query, KV head, slot) and a dq kernel that
-# reads K and that dS tile and no V (probe kernels: the dS slot not looked up, so dq's values meaningless; the
-# traffic is the real one), H100, 64k, H=64, G=4, d 128, bf16, random causal block lists with the forced blocks,
-# ungated, do_bench and torch.profiler, two rounds, ms: whole selection backward 27.0 / 27.0 vs 32.2 / 32.6
-# (dq 9.1 vs 17.6-19.8, dk/dv 16.3-16.4 vs 13.2-14.8 with the stores, reduce 0.53 both); dq reading K alone, no
-# dS, 9.7-9.9. What it would cost besides: dS is T·G·n·h·l' elements, 8 GiB in bf16 at 64k (the layer's peak
-# is 8.0 / 9.2 GiB at 128/128 and 192/128), so it would run in chunks of queries, each chunk's dk/dv segments
-# and partials apart (bucketed by chunk as well as block, the partials' bound grows with the chunks: ~1.3 GiB
-# for 4 chunks, 0.5 today), dq per chunk after them; delta, the gate's gradient and lse − ln g, which dq computes
-# for dk/dv today, from a pass of their own first (reads O and dO: ~0.7 ms at 64k) or from another kernel
-# that reads dO.
+# Measured and not taken: the dq kernel reads half its bytes (the selected blocks' V) only to form dP = dO·Vᵀ,
+# which the dk/dv kernel forms too. Built (the reverse index carrying each entry's slot; the dk/dv kernel storing
+# dSᵀ into a [T, G, n, h, l'] buffer; a dq kernel reading K and that dS, no V; delta, the gate's gradient and
+# lse − ln g from a pass of their own first, since dk/dv now runs before dq): dk and dv bit-identical, dq within
+# bf16 rounding (max |diff| 0.002, relative RMS 1e-4). H100, 64k, H=64, G=4, d 128, bf16, gated, random causal
+# block lists with the forced blocks, do_bench and torch.profiler, three rounds, ms: whole selection backward
+# 29.4-29.7 vs 32.4-34.1 (delta pass 0.79, dk/dv 17.7-17.9 with the stores vs 13.3-15.1, dq 9.4 vs 17.7-20.0,
+# reduce 0.53 both). In the layer (`bench.layer.build`, sm90 routing, CUDA events, two rounds of four): fwd+bwd
+# 131.1-146.4 vs 132.6-143.9 ms at 128/128 (medians ~2-3 ms lower), 178.1-182.1 vs 177.5-186.2 at 192/128 (no
+# gain shown), for 8 GiB more at the peak (15.4 vs 7.4 GiB above the inputs at 128/128, 16.6 vs 8.6 at 192/128):
+# dS is T·G·n·h·l' elements. Cutting that by running dk/dv and dq over chunks of queries would add partials
+# (segments bucketed by chunk) and launches to a gain already within the layer's spread.
 SEGMENT = 1024
 
 
