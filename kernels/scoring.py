@@ -252,7 +252,15 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     way): not taken. (Compiled for sm90 by Triton 3.9, the kernel waits for each chunk's keys as it loads them and
     for each head's product as it issues it; only the q loads run ahead. Not checked with the GPU's Triton 3.6. The
     head loop pipelined by hand, the next head's product issued before this head's exp2, compiled the same way, a
-    wait right after each product, and spilled: not run.)"""
+    wait right after each product, and spilled: not run.)
+    Where the time goes at 64k (H100, d_k 128, do_bench, three rounds, ms; outputs meaningless where parts are cut):
+    as shipped 6.96-7.65; every program reading the q of one tile (so that q stays in L2) 6.52-6.91; no exp2 (p = s −
+    lse) 5.40-5.56; both 4.57-4.76. The exp2 costs more than the re-read q, yet moving half of them to the FMA pipes
+    (the odd columns of each product by a degree-5 fit of 2^f after a round-to-nearest split, 2.3e-7 relative error;
+    ``tl.split`` / ``tl.join`` kept the product's layout, no conversion in the head loop) was slower: 9.03-9.42 vs
+    7.06-7.16 at 64k, 0.274 vs 0.238 at 8k, 0.705 vs 0.589 at 16k (blocks equal but for 2 of 262144 rows at 64k):
+    the loop is bound by issue and latency, not by the MUFU's throughput. Chunks of 256 compressed tokens (BB 64,
+    q re-read half as often) with 8 warps: 14.7-15.1 ms (ptxas: 255 registers, 176 bytes spilled)."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
