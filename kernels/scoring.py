@@ -260,7 +260,16 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     ``tl.split`` / ``tl.join`` kept the product's layout, no conversion in the head loop) was slower: 9.03-9.42 vs
     7.06-7.16 at 64k, 0.274 vs 0.238 at 8k, 0.705 vs 0.589 at 16k (blocks equal but for 2 of 262144 rows at 64k):
     the loop is bound by issue and latency, not by the MUFU's throughput. Chunks of 256 compressed tokens (BB 64,
-    q re-read half as often) with 8 warps: 14.7-15.1 ms (ptxas: 255 registers, 176 bytes spilled)."""
+    q re-read half as often) with 8 warps: 14.7-15.1 ms (ptxas: 255 registers, 176 bytes spilled).
+    The head sum on the tensor cores instead of one fp32 add per element (each head's p rounded to q's dtype
+    and multiplied by the overlap matrix, its last span's overhang as an extra column: one [BT, 2·BB] product,
+    or a [BT, BB] and a [BT, 16] one; sm90 SASS per element one FFMA, one MUFU and half an F2FP instead of
+    FFMA, MUFU and FADD): slower, H100, bf16, do_bench, three rounds, ms, 8.12-8.20 / 8.17-8.35 vs
+    7.35-7.53 at 64k d_k 128, 0.248 / 0.257-0.258 vs 0.233-0.234 at 8k, 0.613-0.619 / 0.642-0.650 vs 0.575-0.590 at
+    16k, d_k 192 64k 10.9-12.0 / 11.3-12.9 vs 10.7-11.3; 3.3% of the rows at 64k chose other blocks (p in
+    bf16: near-ties). And exp2 on packed halves (``ex2.approx.f16x2`` / ``.bf16x2`` by inline asm, the head
+    sum in ``add.f16x2``): ptxas for sm90 (Triton 3.9) issues one MUFU.EX2.F16 per half, as many MUFU ops as
+    now plus the packing, so it was not run."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
