@@ -13,8 +13,8 @@ chunks of BB (BB·l'/d compressed tokens): it recomputes the chunk's probabiliti
 and sums them over the group's h heads, maps the sum onto the chunk's blocks with one product by
 a 0/1 overlap matrix (the mapping is linear, so once per chunk rather than once per head; a span
 that runs into the next chunk's first block carries its share over), and moves the chunk's
-candidates that beat the running top-BB list into it (one comparison when none does; the first
-chunk's candidates are the list). Nothing of
+candidates that beat the running list of the NS best (n rounded up to a power of two) into it (one
+comparison when none does; the first chunk's best NS candidates are the list). Nothing of
 size [T, N] or [T, NB] is ever written to memory: the scores live in registers one chunk at a time.
 
 A candidate is a pair (the fp32 score's bits, its block j): non-negative floats order like their
@@ -48,7 +48,7 @@ EMPTY_J: tl.constexpr = tl.constexpr(2 ** 30)   # empty slots' block numbers (+ 
 @triton.jit
 def _insert_top(ts, tj, cs, cj):
     """Move the candidates (score bits ``cs`` [BT, BB], blocks ``cj`` [1, BB]) that beat the worst entry of
-    the running list (``ts``, ``tj``) [BT, BB] into it, best first, until none does. An entry beats
+    the running list (``ts``, ``tj``) [BT, NS] into it, best first, until none does. An entry beats
     another with a higher score, or the same score and a lower block (ties to the lower index); the
     pairs are distinct, so each step moves one per row; a chunk with nothing better costs one
     comparison (no sort). 32-bit pairs, not one int64 key: int64 max/min/select took ~1/3 of the
@@ -77,11 +77,18 @@ def _best_and_worst(ts, tj, cs, cj):
 
 
 @triton.jit
+def _first_half(x, BT: tl.constexpr, W: tl.constexpr):
+    """Columns 0 .. W/2 − 1 of x [BT, W]."""
+    a, _ = tl.split(tl.permute(tl.reshape(x, [BT, 2, W // 2]), [0, 2, 1]))
+    return a
+
+
+@triton.jit
 def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g, ov, ov_next, KC, KCB,
                  sqt, sqh, skt, skh, slt, slh, scale_log2,
                  CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, H_PER_G: tl.constexpr, DK: tl.constexpr,
                  BT: tl.constexpr, BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
-                 PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+                 PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, NS: tl.constexpr):
     """Blocks [c·BB, (c+1)·BB) into the running top list: the probabilities of the chunk's BCS
     compressed tokens are summed over the group's heads first, then mapped onto blocks once
     (the mapping is linear). MASKED=False where every token of the tile sees the whole chunk.
@@ -129,8 +136,21 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
         # a constexpr case instead, four inlined copies of this function: 0.246 / 0.598 / 7.71-8.01 ms. Every later
         # chunk merged into the list by one sort of the 2·BB: 0.270 / 0.691 / 7.60-7.71; that sort only where more
         # than 3 candidates enter: 0.283 / 0.758 / 8.9-9.3.)
-        ts = tl.where(causal, bits, -1)
-        tj = tl.where(causal, j[None, :], EMPTY_J + jb[None, :])
+        if NS == BB:
+            ts = tl.where(causal, bits, -1)
+            tj = tl.where(causal, j[None, :], EMPTY_J + jb[None, :])
+        else:
+            # the list holds the NS best: the chunk's candidates sorted as (score bits, 2^31 − 1 − block)
+            # keys, best first, and the first NS kept (an empty slot: -1, after every real block)
+            key = (tl.where(causal, bits, -1).to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
+            key = _first_half(tl.sort(key, 1, descending=True), BT, BB)
+            if BB // NS >= 4:
+                key = _first_half(key, BT, BB // 2)
+            if BB // NS >= 8:
+                key = _first_half(key, BT, BB // 4)
+            js = tl.arange(0, NS)
+            ts = (key >> 32).to(tl.int32)
+            tj = tl.where(ts == -1, EMPTY_J + js[None, :], 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32))
     else:
         ts, tj = _insert_top(ts, tj, tl.where(causal, bits, NO_BLOCK), j[None, :])
     return ts, tj, carry
@@ -142,7 +162,7 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
                        H_PER_G: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr,
                        BB: tl.constexpr, BCS: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
-                       PREC: tl.constexpr, TMA: tl.constexpr):
+                       PREC: tl.constexpr, TMA: tl.constexpr, NS: tl.constexpr):
     g = tl.program_id(1)
     bos, seq_len, cbos, n_seq = _seq(CU, CUC, tl.program_id(2))
     # the last tiles (the most causal blocks) first, so that the longest programs do not make the grid's tail.
@@ -163,27 +183,34 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
         t_last = tl.minimum(t0 + BT, seq_len) - 1
         n_hi = tl.minimum(_n_cmp(t_last, CMP_LEN, CMP_STRIDE), n_seq)
         c_full = tl.minimum(_n_cmp(t0, CMP_LEN, CMP_STRIDE), n_seq) // BCS     # chunks every token sees whole
-        ts = tl.full([BT, BB], -1, tl.int32)                            # empty slots: below every real score,
-        tj = EMPTY_J + jb[None, :] + tl.zeros([BT, BB], tl.int32)       # distinct, after every real block
+        # the running list holds the NS best entries only (NS: n rounded up to a power of two, at least 8; not
+        # BB): a candidate enters when it beats the NS-th best, about half as often as the BB-th, and every
+        # entry costs the insert loop a pass with a CTA-wide reduction. H100, bf16, do_bench, three rounds, ms, blocks
+        # bit-identical, NS 16 vs BB 32: 8k 0.211-0.212 vs 0.232-0.234, 16k 0.513-0.518 vs 0.574-0.581, 64k
+        # 6.86-7.01 vs 7.21-7.31, d_k 192 64k 10.15-10.30 vs 10.66-11.91. (With the insert loop replaced by an
+        # elementwise max, outputs meaningless, the BB list's kernel took 5.95-6.03 ms at 64k vs 7.21-8.10.)
+        js = tl.arange(0, NS)
+        ts = tl.full([BT, NS], -1, tl.int32)                            # empty slots: below every real score,
+        tj = EMPTY_J + js[None, :] + tl.zeros([BT, NS], tl.int32)       # distinct, after every real block
         carry = tl.zeros([BT], tl.float32)
         for c in range(0, c_full):
             ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g,
                                          ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
-                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA)
+                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, False, TMA, NS)
         for c in range(c_full, t_last // BLOCK // BB + 1):
             ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g,
                                          ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
-                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA)
-        # the BB best, unordered: keep the N_SEL best (BB may be larger), written ascending. As one
+                                         CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA, NS)
+        # the NS best, unordered: keep the N_SEL best (NS may be larger), written ascending. As one
         # int64 key per entry (score bits above 2³¹ − 1 − block: order by score, then lower block), once
         top = (ts.to(tl.int64) << 32) | (0x7FFFFFFF - tj).to(tl.int64)
         top = tl.sort(top, 1, descending=True)
-        taken = (top >= 0) & (jb[None, :] < N_SEL)
+        taken = (top >= 0) & (js[None, :] < N_SEL)
         blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)
         blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
         blocks = tl.where(blocks == 0x7FFFFFFF, -1, blocks)
-        tl.store(IDX + t[:, None] * sit + g * sig + jb[None, :], blocks,
-                 mask=tok_ok[:, None] & (jb[None, :] < N_SEL))
+        tl.store(IDX + t[:, None] * sit + g * sig + js[None, :], blocks,
+                 mask=tok_ok[:, None] & (js[None, :] < N_SEL))
 
 
 def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int) -> str | None:
@@ -202,7 +229,7 @@ def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int)
 
 def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list[dict]:
     """BT query tokens per program (the rows of every dot, at least 16) and BB blocks per chunk
-    (at least n: the running top list holds BB). The measured settings first, then smaller ones
+    (at least n: the running list of the n best is at most BB wide). The measured settings first, then smaller ones
     for a GPU with less shared memory per block (``common.launch_fitting`` runs the first that loads).
 
     From a sweep on the H100 at 64k, h=16, G=4, bf16 (BT × BB × warps × stages): d_k=128 BT 64 /
@@ -349,7 +376,7 @@ class _Launch(torch.autograd.Function):
                 out.stride(0), out.stride(1), scale * LOG2E,
                 CMP_LEN=cmp_len, CMP_STRIDE=cmp_stride, BLOCK=block_size, N_SEL=n_selected, H_PER_G=h, DK=dk,
                 BT=BT, BB=BB, BCS=BB * (block_size // cmp_stride), BDA=BDA, BDB=BDB,
-                PREC=precision(q.dtype), TMA=use_tma, **lc)
+                PREC=precision(q.dtype), TMA=use_tma, NS=max(8, triton.next_power_of_2(n_selected)), **lc)
         launch_fitting("select", (q.device, q.dtype, h, dk, cmp_len, cmp_stride, block_size, n_selected, tma),
                        usable(configs, tma), launch)
         ctx.mark_dirty(out)                         # written in place (the caller's buffer)
