@@ -296,7 +296,12 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     16k, d_k 192 64k 10.9-12.0 / 11.3-12.9 vs 10.7-11.3; 3.3% of the rows at 64k chose other blocks (p in
     bf16: near-ties). And exp2 on packed halves (``ex2.approx.f16x2`` / ``.bf16x2`` by inline asm, the head
     sum in ``add.f16x2``): ptxas for sm90 (Triton 3.9) issues one MUFU.EX2.F16 per half, as many MUFU ops as
-    now plus the packing, so it was not run."""
+    now plus the packing, so it was not run. The head loop software-pipelined by hand in Gluon (Triton 3.6's
+    ``triton.experimental.gluon``: TMA loads into shared memory with mbarriers, head h+1's product issued as an
+    async wgmma before head h's exp2, 255 registers; with the head loop not unrolled ptxas serialized the wgmmas),
+    against the same work in plain Triton (the chunks every token of a tile sees whole, no masks, no top list;
+    outputs within bf16 rounding of an fp32 reference): H100, do_bench, three rounds, ms, 64k 4.90-5.02 vs
+    5.01-5.06, 16k 0.299-0.300 vs 0.301-0.326, 8k 0.097 both: no gain, not taken."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
