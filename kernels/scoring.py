@@ -144,10 +144,8 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
             # keys, best first, and the first NS kept (an empty slot: -1, after every real block)
             key = (tl.where(causal, bits, -1).to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
             key = _first_half(tl.sort(key, 1, descending=True), BT, BB)
-            if BB // NS >= 4:
+            if BB // NS == 4:           # BB / NS is 2 or 4: BB = max(32, NS) and NS >= 8 (the launcher)
                 key = _first_half(key, BT, BB // 2)
-            if BB // NS >= 8:
-                key = _first_half(key, BT, BB // 4)
             js = tl.arange(0, NS)
             ts = (key >> 32).to(tl.int32)
             tj = tl.where(ts == -1, EMPTY_J + js[None, :], 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32))
@@ -229,8 +227,8 @@ def unavailable(cmp_len: int, cmp_stride: int, block_size: int, n_selected: int)
 
 def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list[dict]:
     """BT query tokens per program (the rows of every dot, at least 16) and BB blocks per chunk
-    (at least n: the running list of the n best is at most BB wide). The measured settings first, then smaller ones
-    for a GPU with less shared memory per block (``common.launch_fitting`` runs the first that loads).
+    (at least n: the running list of the n best is at most BB wide). The measured settings first, then smaller
+    ones for a GPU with less shared memory per block (``common.launch_fitting`` runs the first that loads).
 
     From a sweep on the H100 at 64k, h=16, G=4, bf16 (BT × BB × warps × stages): d_k=128 BT 64 /
     BB 32 / 4 warps / 3 stages 8.9 ms (2 stages 9.4; 8 warps: 12.9; BT 128: 10.1-10.9; BT 32: 13.4;
