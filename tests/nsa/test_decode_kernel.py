@@ -129,12 +129,14 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
     assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
 
 
-@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16)], ids=["64-blocks-n5", "128-blocks-n16"])
+@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (4, 16), (2, 4)],
+                         ids=["64-blocks-n5", "128-blocks-n16", "4-blocks-n16", "2-blocks-n4"])
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
 def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
-    oracle's ``select_blocks`` on the same scores, at positions all through the cache. (The
+    oracle's ``select_blocks`` on the same scores, at positions all through the cache, caches of fewer
+    blocks than n included (4 blocks with n = 16, 2 with n = 4: every slot past the chosen −1). (The
     interpreter's argmax always breaks ties to the lower index; on a GPU the kernel's own rule is
     what this checks.)"""
     import triton
