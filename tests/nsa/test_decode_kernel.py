@@ -129,8 +129,8 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
     assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
 
 
-@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (4, 16), (2, 4)],
-                         ids=["64-blocks-n5", "128-blocks-n16", "4-blocks-n16", "2-blocks-n4"])
+@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (8, 4), (4, 16), (2, 4)],
+                         ids=["64-blocks-n5", "128-blocks-n16", "8-blocks-n4", "4-blocks-n16", "2-blocks-n4"])
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
 def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
