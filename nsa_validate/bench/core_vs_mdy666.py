@@ -43,13 +43,14 @@ class Row:
     note: str = ""
 
 
-def _inputs(S: int, gate_shape_last: int, seed: int = 0):
+def _inputs(S: int, seed: int = 0):
+    """q [S, H, D], k and v [S, G, D], gates [S, H, 3] (bf16, leaves wanting gradients), cu_seqlens [0, S]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     kw = dict(device="cuda", dtype=torch.bfloat16, generator=g)
     q = torch.randn(S, H, D, **kw).requires_grad_()
     k = torch.randn(S, G, D, **kw).requires_grad_()
     v = torch.randn(S, G, D, **kw).requires_grad_()
-    gate = torch.rand(S, H, gate_shape_last, **kw).requires_grad_()
+    gate = torch.rand(S, H, 3, **kw).requires_grad_()
     cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
     return q, k, v, gate, cu
 
@@ -70,7 +71,7 @@ def _time(name: str, S: int, fwd, leaves, note: str = "") -> Row:
 
 
 def ours(S: int) -> Row:
-    q, k, v, gate, cu = _inputs(S, 3)
+    q, k, v, gate, cu = _inputs(S)
     cu_cmp = cmp_cu_seqlens(cu, L_CMP, D_CMP)
     sh = branches.Shape(L_CMP, D_CMP, BLOCK, N_SEL, WINDOW, D ** -0.5, S)
 
@@ -90,7 +91,7 @@ def theirs(S: int) -> Row:
     want = (H, G, D, L_CMP, D_CMP, BLOCK, N_SEL, WINDOW, "mean", "mean")
     if got != want:
         raise SystemExit(f"flash_nsa's default NSAConfig is {got}, not the {want} this compares at")
-    q, k, v, w, cu = _inputs(S, 3)
+    q, k, v, w, cu = _inputs(S)
     core = HFNSACore(cfg).to(q)
     note = f"window on flash-attn {'3' if swa.HAVE_FA3 else '2' if swa.HAVE_FA2 else 'none'}"
     return _time("mdy666 flash_nsa", S, lambda: core(q, k, v, w, cu), [q, k, v, w], note)
