@@ -677,10 +677,12 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     to a previous error during capture", every later capture then refused), as did
     tests/nsa/test_decode_kernel.py's module decode vs the oracle, while the interpreter passed them all.
     Not understood when the session's device time ran out; these passes stay until it is. A lead: those
-    cases run caches of 8 blocks (NBP 8, KP 4), which no GPU run of the tie test covered (4, 64 and 128
-    blocks passed there; its 8-block case came after), and a pick whose key came back empty would be block 2^31 − 1, an out-of-bounds
-    read for the selection that would surface at the next capture; ``tl.topk`` against ``torch.topk`` at
-    NBP 8-32 on the GPU is the first thing to check."""
+    cases run caches of 8 blocks (NBP 8, KP 4: a top-k with a max-reduction stage over 8 keys spread,
+    replicated, over 8 warps), which no GPU run of the tie test covered (4, 64 and 128 blocks passed
+    there; its 8-block case came after), and a pick whose key came back empty would be block 2^31 − 1,
+    an out-of-bounds read for the selection that would surface at the next capture. ``tl.topk`` against
+    ``torch.topk`` at NBP 8-32 on the GPU is the first thing to check; keys padded to 256 lanes (one a
+    thread) the obvious remedy if small tensors are the trouble."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
