@@ -679,8 +679,10 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     Not understood when the session's device time ran out; these passes stay until it is. A lead: those
     cases run caches of 8 blocks (NBP 8, KP 4: a top-k with a max-reduction stage over 8 keys spread,
     replicated, over 8 warps), which no GPU run of the tie test covered (4, 64 and 128 blocks passed
-    there; its 8-block case came after), and a pick whose key came back empty would be block 2^31 − 1,
-    an out-of-bounds read for the selection that would surface at the next capture. ``tl.topk`` against
+    there; its 8-block case came after); the tiny layer's cases at prefill 0-12 passed, where every
+    causal block is forced and no pick is used, and prefill 29 is the first whose step uses one. A pick
+    whose key came back empty would be block 2^31 − 1, an out-of-bounds read for the selection that
+    would surface at the next capture. ``tl.topk`` against
     ``torch.topk`` at NBP 8-32 on the GPU is the first thing to check; keys padded to 256 lanes (one a
     thread) the obvious remedy if small tensors are the trouble."""
     _grid_dependency(GDC)
