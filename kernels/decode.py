@@ -676,15 +676,15 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     from its tiny-layer case at prefill 29 on (the layer step's CUDA-graph capture: "operation failed due
     to a previous error during capture", every later capture then refused), as did
     tests/nsa/test_decode_kernel.py's module decode vs the oracle, while the interpreter passed them all.
-    Not understood when the session's device time ran out; these passes stay until it is. A lead: those
-    cases run caches of 8 blocks (NBP 8, KP 4: a top-k with a max-reduction stage over 8 keys spread,
-    replicated, over 8 warps), which no GPU run of the tie test covered (4, 64 and 128 blocks passed
-    there; its 8-block case came after); the tiny layer's cases at prefill 0-12 passed, where every
-    causal block is forced and no pick is used, and prefill 29 is the first whose step uses one. A pick
-    whose key came back empty would be block 2^31 − 1, an out-of-bounds read for the selection that
-    would surface at the next capture. ``tl.topk`` against
-    ``torch.topk`` at NBP 8-32 on the GPU is the first thing to check; keys padded to 256 lanes (one a
-    thread) the obvious remedy if small tensors are the trouble."""
+    Not understood when the session's device time ran out; these passes stay until it is. What is known:
+    both failing cases take KP = 4 from caches of 8 (the module test: 90 tokens, l' = 16) and 16 blocks
+    (the counters suite's tiny layer: 77 tokens, l' = 8), a top-k with max-reduction stages over few keys
+    spread, replicated, over 8 warps; the GPU runs of the tie test that passed had 4 blocks (KP 4, no
+    reduction stage), 64 (KP 8) and 128 (KP 16). In the counters suite the tiny cases at prefill 0-12
+    (the same cache shape, 40 steps each, picks used from t = 24 on) passed, and prefill 29 failed at its
+    layer step's capture. A pick whose key came back empty would be block 2^31 − 1, an out-of-bounds read
+    for the selection. ``tl.topk`` against ``torch.topk`` at 8-32 keys on the GPU is the first thing to
+    check; keys padded to 256 lanes (one a thread) the obvious remedy if small tensors are the trouble."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
