@@ -77,6 +77,13 @@ def _best_and_worst(ts, tj, cs, cj):
 
 
 @triton.jit
+def _key(bits, j):
+    """(score bits, block j) as one int64 key: bits above 2^31 − 1 − j, so that keys order by score, then by
+    the lower block (``ranks_before``'s order)."""
+    return (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
+
+
+@triton.jit
 def _first_half(x, BT: tl.constexpr, W: tl.constexpr):
     """Columns 0 .. W/2 − 1 of x [BT, W]."""
     a, _ = tl.split(tl.permute(tl.reshape(x, [BT, 2, W // 2]), [0, 2, 1]))
@@ -142,8 +149,7 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
         else:
             # the list holds the NS best: the chunk's candidates sorted as (score bits, 2^31 − 1 − block)
             # keys, best first, and the first NS kept (an empty slot: -1, after every real block)
-            key = (tl.where(causal, bits, -1).to(tl.int64) << 32) | (0x7FFFFFFF - j[None, :]).to(tl.int64)
-            key = _first_half(tl.sort(key, 1, descending=True), BT, BB)
+            key = _first_half(tl.sort(_key(tl.where(causal, bits, -1), j[None, :]), 1, descending=True), BT, BB)
             if BB // NS == 4:           # BB / NS is 2 or 4: BB = max(32, NS) and NS >= 8 (the launcher)
                 key = _first_half(key, BT, BB // 2)
             js = tl.arange(0, NS)
@@ -199,12 +205,10 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
             ts, tj, carry = _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_hi, cbos, g,
                                          ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
                                          CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA, NS)
-        # the NS best, unordered: keep the N_SEL best (NS may be larger), written ascending. As one
-        # int64 key per entry (score bits above 2³¹ − 1 − block: order by score, then lower block), once
-        top = (ts.to(tl.int64) << 32) | (0x7FFFFFFF - tj).to(tl.int64)
-        top = tl.sort(top, 1, descending=True)
+        # the NS best, unordered: keep the N_SEL best (NS may be larger), written ascending, sorted once
+        top = tl.sort(_key(ts, tj), 1, descending=True)
         taken = (top >= 0) & (js[None, :] < N_SEL)
-        blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)
+        blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)      # the low word: the block
         blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
         blocks = tl.where(blocks == 0x7FFFFFFF, -1, blocks)
         tl.store(IDX + t[:, None] * sit + g * sig + js[None, :], blocks,
