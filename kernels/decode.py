@@ -662,29 +662,27 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     us, B=2 39.2-39.4 vs 35.3-35.6, B=4 55.6-55.8 vs 47.5, B=8 82.7 vs 66.3-66.9, B=16 141.5-142.7 vs 105.6-106.8;
     128k B=1 45.2-45.4 vs 36.3-36.4; only 16k B=1 gained, 22.9-23.2 vs 24.0.
 
-    Measured, not yet taken (2026-11-28): the free blocks' top n − 3 by one ``tl.topk`` (Triton's bitonic
-    top-k) of int64 keys (high word the score's bits mapped so that integers order as floats do, low word
-    2^31 − 1 − j: ties to the lower block), then the picks and the distinct forced blocks sorted ascending as
-    one array of 2·min(NSP, NBP) lanes. H100, paper config, graph-replayed step (harness timer, read flush),
-    three rounds alternating, blocks and outputs bit-identical to these passes, µs: 64k B=1 25.0-25.1 vs
-    25.3-25.7, B=4 42.1-42.4 vs 42.8-42.9, B=16 100.2-101.5 vs 101.4-102.6; 128k B=1 32.0-32.2 vs 32.8-32.9,
-    B=16 168.2-168.8 vs 167.2-169.3; 16k B=1 21.6-21.7 vs 23.1; this kernel alone (eager, torch.profiler)
-    4.0 vs 5.2 µs at 64k, 6.6 vs 7.4 at 128k, 2.4 vs 3.9 at 16k (4 warps: slower at B=16 and 128k; 2 warps
-    slower everywhere). Its first version left the slots past 2·KP unwritten in caches of fewer than n/2
-    blocks and had no lane for the third forced block where NBP < 4 (the tie test's 4- and 2-block cases
-    now catch both); with those fixed, on the H100 the `decode` suite passed but `counters` still failed
-    from its tiny-layer case at prefill 29 on (the layer step's CUDA-graph capture: "operation failed due
-    to a previous error during capture", every later capture then refused), as did
-    tests/nsa/test_decode_kernel.py's module decode vs the oracle, while the interpreter passed them all.
-    Not understood when the session's device time ran out; these passes stay until it is. What is known:
-    both failing cases take KP = 4 from caches of 8 (the module test: 90 tokens, l' = 16) and 16 blocks
-    (the counters suite's tiny layer: 77 tokens, l' = 8), a top-k with max-reduction stages over few keys
-    spread, replicated, over 8 warps; the GPU runs of the tie test that passed had 4 blocks (KP 4, no
-    reduction stage), 64 (KP 8) and 128 (KP 16). In the counters suite the tiny cases at prefill 0-12
-    (the same cache shape, 40 steps each, picks used from t = 24 on) passed, and prefill 29 failed at its
-    layer step's capture. A pick whose key came back empty would be block 2^31 − 1, an out-of-bounds read
-    for the selection. ``tl.topk`` against ``torch.topk`` at 8-32 keys on the GPU is the first thing to
-    check; keys padded to 256 lanes (one a thread) the obvious remedy if small tensors are the trouble."""
+    Measured and not taken (2026-11-28): the free blocks' top n − 3 by one ``tl.topk`` (Triton's bitonic top-k) of
+    int64 keys (high word the score's bits mapped so that integers order as floats do, low word 2^31 − 1 − j: ties
+    to the lower block), then the picks and the distinct forced blocks sorted ascending as one array of 2·min(NSP,
+    NBP) lanes (at least 4). Graph-replayed step (harness timer, read flush), three rounds alternating, blocks and
+    outputs bit-identical to these passes, µs. H100: 64k B=1 25.0-25.1 vs 25.3-25.7, B=4 42.1-42.4 vs 42.8-42.9,
+    B=16 100.2-101.5 vs 101.4-102.6; 128k B=1 32.0-32.2 vs 32.8-32.9, B=16 168.2-168.8 vs 167.2-169.3; 16k B=1
+    21.6-21.7 vs 23.1; this kernel alone (eager, torch.profiler) 4.0 vs 5.2 µs at 64k, 6.6 vs 7.4 at 128k, 2.4 vs
+    3.9 at 16k (4 warps: slower at B=16 and 128k; 2 warps slower everywhere). H200: 64k B=1 24.2-24.3 vs 24.5-24.6,
+    B=4 38.9-39.0 vs 39.6-39.7, B=16 85.0-85.2 vs 86.3-86.5; 16k B=1 20.9 vs 22.2-22.4; 128k B=1 30.1 vs 30.8-30.9
+    but B=16 136.8-140.4 vs 134.6-135.3; kernel alone 3.8 vs 4.9 µs at 64k. Not taken because the `counters` suite,
+    on both GPUs, fails with it: one of its tiny-layer cases (prefill 29 on the H100; prefill 11 on the H200, the
+    fifth Triton case run) has its layer step's CUDA-graph capture invalidated ("operation failed due to a previous
+    error during capture", raised at the merge's launch; every later case then fails on torch's RNG state), while
+    that case run alone passes and the suite with these passes has passed every run. What was ruled out on the H200:
+    ``tl.topk`` of int64 keys equals ``torch.topk`` at 4-1024 keys, k 4-16, 1-8 warps (64 rows each, most keys
+    empty); the variant's kernel at the tiny layer's shape (16 blocks, n 4) uses no global scratch and no shared
+    memory; compute-sanitizer (memcheck) over the suite's eight tiny Triton cases found no error (its profiler
+    conflict failed their kernel-evidence check, so the capture failure could not be reproduced under it);
+    tests/nsa/test_decode_kernel.py passed on the GPU (the module-decode failure first taken for the variant's was
+    the test's own: on a GPU it counted the capture's warm-up step as a step, with these passes too). The gain (≤
+    1.5 µs of a 21-25 µs step at B=1) did not justify a capture failure not understood."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
