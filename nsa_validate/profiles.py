@@ -173,7 +173,7 @@ def _read(path: Path) -> dict:
     return data
 
 
-def _resolved(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def resolved(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """A profile file's mapping with what it ``extends`` underneath (mappings merged key by key,
     lists and values replaced). ``extends`` names a file without .yaml, e.g. ``base/gpu``: beside
     the profile, else among the shipped profiles (so a copy of a shipped profile still loads)."""
@@ -191,7 +191,7 @@ def _resolved(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise UsageError(f"profile {path.name}: 'extends: {parent}' makes a cycle")
     if not ppath.is_file():
         raise UsageError(f"profile {path.name}: 'extends: {parent}' names no file (beside it or in {PROFILE_DIR})")
-    return _merge(_resolved(ppath, chain), data)
+    return _merge(resolved(ppath, chain), data)
 
 
 def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
@@ -202,7 +202,7 @@ def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml") if "." not in p.stem))
         raise UsageError(f"profile '{name_or_path}' not found (known: {known})")
-    data = _resolved(path)
+    data = resolved(path)
     if "level" in data:
         raise UsageError(f"profile {path.name}: 'level' is chosen when the profile is loaded (--level), not in the file")
     try:

@@ -157,7 +157,9 @@ def test_sigint_leaves_folder_marked_interrupted(tmp_path):
     env = dict(os.environ, NO_COLOR="1")
     # a runner started in the background by a shell without job control inherits SIGINT ignored
     # (POSIX); Ctrl-C at a terminal is what this test stands for, so the child gets the default
-    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "counters", "sanity", "--out", str(tmp_path)],
+    # one suite after another (on a GPU they would run at once): sanity has not started when counters is stopped
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "counters", "sanity", "--one-at-a-time",
+                          "--out", str(tmp_path)],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
@@ -183,9 +185,9 @@ def _small_profile(tmp_path) -> Path:
     full suites run in their own tests; on a CPU the interpreter is slow)."""
     import torch
 
-    from nsa_validate.profiles import auto_name
+    from nsa_validate.profiles import auto_name, resolved
     name = auto_name(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
-    prof = yaml.safe_load((REPO / "profiles" / f"{name}.yaml").read_text())
+    prof = resolved(REPO / "profiles" / f"{name}.yaml")    # a GPU profile extends base/gpu
     prof.pop("levels", None)                      # the cuts below hold at every level
     prof["suites"]["triton"].update(dtypes=prof["suites"]["triton"]["dtypes"][:1], heads_per_group=[2],
                                     head_dims=[prof["suites"]["triton"]["head_dims"][0]],
