@@ -110,12 +110,17 @@ class Recorder:
         assert not self._failures, "; ".join(self._failures)
 
 
+def no_sizes(suite: str, field: str) -> str:
+    """The skip reason of a case the profile gives no sizes for, naming the field."""
+    return f"profile '{context.current().profile.name}' sets no sizes for this case (suites.{suite}.{field})"
+
+
 def profile_cases(params: list, suite: str, field: str, n_args: int) -> list:
     """The parametrized cases, or one skipped case naming the profile field that left them out
     (a size the profile does not set is reported, never silently missing)."""
     if params:
         return params
-    why = f"profile '{context.current().profile.name}' sets no sizes for this case (suites.{suite}.{field})"
+    why = no_sizes(suite, field)
     return [pytest.param(*([None] * n_args), id="not-in-profile",
                          marks=[pytest.mark.skip(reason=why), pytest.mark.nsa_placeholder])]
 

@@ -39,7 +39,7 @@ import torch
 from nsa_validate import decode_table, evidence, limits, ncu, roofline, timing
 from nsa_validate.bench import decode as decode_bench
 from nsa_validate.context import current
-from nsa_validate.plugin import profile_cases
+from nsa_validate.plugin import no_sizes, profile_cases
 from nsa_validate.tolerance import DTYPES
 from suites import read_effect
 
@@ -373,6 +373,9 @@ def test_dram_reads(record, extra):
     tokens its indices cover (a kernel that skipped work: ncu flushes the caches before each kernel,
     so every token read comes from DRAM at least once; the formula counts a token that both the
     window and a selected block cover twice, the hardware may read it once)."""
+    for field, sizes in (("contexts", CFG.contexts), ("batches", CFG.batches)):
+        if not sizes:
+            pytest.skip(no_sizes("decode", field))
     why = ncu.unavailable()
     if why:
         pytest.skip(why)

@@ -148,6 +148,11 @@ def test_strict_fails_on_a_skipped_case(tmp_path):
     prof.write_text(yaml.safe_dump(p))
     r = cli("suite", "decode", "--profile", str(prof), "--out", str(tmp_path), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["suites"]["decode"]["status"] == "skip", r.stderr[-2000:]
+    # the hardware-counter case too names the field, before it looks for ncu (on a GPU with ncu it used
+    # to fail on the empty sizes)
+    (d,) = run_dirs(tmp_path)
+    cases = {c["id"]: c for c in json.loads((d / "results.json").read_text())["suites"]["decode"]["cases"]}
+    assert "suites.decode.contexts" in cases["dram_reads"]["reason"], cases["dram_reads"]
     r = cli("suite", "decode", "--profile", str(prof), "--out", str(tmp_path), "--strict", "--json")
     blocking = " ".join(json.loads(r.stdout)["verdict"]["blocking"])
     assert r.returncode == 1 and "suites.decode.contexts" in blocking, blocking
