@@ -43,6 +43,7 @@ import triton.language as tl
 from kernels.common import precision
 from kernels.decode import DecodeStep, StepOut
 from nsa_core import dispatch
+from nsa_core.cuda_graph import capturing
 
 # fc1 of the step's small MLPs (φ for k and v, the gate): inputs per program (a K-chunk), per product, and columns
 # per program; warps of an fc2 program (which takes BJ = 32 outputs). H100, paper config, bf16, the whole layer step
@@ -450,7 +451,7 @@ class LayerDecodeStep:
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
         # whichever GPU was current at the process's first capture)
-        with dispatch.diverted() as notes, torch.cuda.graph(graph, stream=side):
+        with dispatch.diverted() as notes, capturing(graph, stream=side):
             out = self(x_in, t)
             info, names = _int64_info(self.last)
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel

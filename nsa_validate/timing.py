@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from nsa_core.cuda_graph import capturing
+
 L2_FLUSH_BYTES = 256 << 20      # larger than any current L2 (H100 50 MB, B200 126 MB)
 WARMUP_MS = 25.0                # the least GPU time the warm-up runs for, as ``triton.testing.do_bench``
 MAX_WARMUP = 1000               # but at most this many extra warm-up calls
@@ -126,7 +128,7 @@ def _capture(fn: Callable[[], object]) -> Callable[[], None]:
     _warm_graph_replays()
     _side_stream_calls(fn, 3)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with capturing(g):
         fn()
     return g.replay
 
@@ -274,7 +276,7 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
     events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
               for _ in range(n)]
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with capturing(g):
         for a, b in events:
             if flush is not None:
                 _evict_l2(flush)

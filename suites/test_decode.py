@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nsa_core.cuda_graph import capturing
 from nsa_validate import decode_table, evidence, limits, ncu, roofline, timing
 from nsa_validate.bench import decode as decode_bench
 from nsa_validate.context import current
@@ -189,7 +190,7 @@ def test_layer_step(_, record):
         if GPU:
             buf = x[:, P + 1:P + 2].clone()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with capturing(g):
                 out = step(buf)
             step.seek(P + 1)                                      # the capture ran the host's bookkeeping once
             run = lambda xt: (buf.copy_(xt), g.replay(), out)[2]  # noqa: E731

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels  # noqa: F401  (registers the Triton routes: without it m.decode runs on torch, uncapturable)
+from nsa_core.cuda_graph import capturing
 from nsa_core.config import PAPER, NSAConfig
 from nsa_validate.bench.decode import nsa_layer
 from nsa_validate.timing import bench
@@ -70,7 +71,7 @@ def stack_decode(cfg: NSAConfig = PAPER, batch: int = 1, context: int = 65536, l
         outs["graph"].append(model(xs[:, :1], graph_caches))     # the warm-up the caller's capture needs
         static = xs[:, 1:2].clone()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capturing(graph):
             y = model(static, graph_caches)
         graph.replay()
         outs["graph"].append(y.clone())

@@ -3,10 +3,14 @@ fixed shapes) gives what NSAAttention.decode gives on the torch route, step afte
 compressed-span completions, from a prefilled and from an empty cache; and NSAAttention.decode on
 the Triton route (which runs a LayerDecodeStep per cache) gives the same, with the same reads and
 blocks in its StepInfo."""
+import gc
+import weakref
+
 import pytest
 import torch
 
 from nsa_core import DecodeCache, NSAAttention, routing, tiny
+from nsa_core.cuda_graph import capturing
 from nsa_core.routing import RoutingPolicy
 
 pytest.importorskip("triton")
@@ -224,12 +228,12 @@ def test_module_decode_in_a_callers_cuda_graph():
         for mod, c in ((m, cache), (ref, ref_cache)):
             mod(x[:, :prefill], cache=c)
         with pytest.raises(ValueError, match="call it once on this cache outside the capture first"):
-            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            with capturing(torch.cuda.CUDAGraph()):
                 m.decode(static, cache)
         assert cache.length == prefill and not cache.device_owned
         for mod, c, only in ((ref, ref_cache, None), (m, cache, "sel")):     # the torch route; a branch alone
             with pytest.raises(ValueError, match="needs the whole-layer Triton step"):
-                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                with capturing(torch.cuda.CUDAGraph()):
                     mod.decode(static, c, only=only)
         assert ref_cache.length == cache.length == prefill
 
@@ -241,7 +245,7 @@ def test_module_decode_in_a_callers_cuda_graph():
 
         check(*m.decode(x[:, prefill:prefill + 1], cache), prefill)          # the warm-up call
         graph = torch.cuda.CUDAGraph()
-        with routing.capture() as log, torch.cuda.graph(graph):
+        with routing.capture() as log, capturing(graph):
             out, info = m.decode(static, cache)
         assert not log.counts, f"recording was counted as running: {log.summary()}"
         assert cache.device_owned and cache.length == prefill + 1, "the capture moved the cache"
@@ -270,6 +274,45 @@ def test_module_decode_in_a_callers_cuda_graph():
             assert now[:, CFG.n_cmp_total(T):].isnan().all(), "a replay on a full cache wrote past the spans"
         with pytest.raises(ValueError, match="ran past max_len"):
             cache.length
+
+
+def test_no_garbage_collection_while_a_step_records():
+    """A layer step's capture runs with Python's cyclic collector held off (``nsa_core.cuda_graph``):
+    a collection in the middle of a capture may free an earlier cache and its step (they hold each
+    other, so only the collector frees them) with their CUDA graph, an unsafe call in CUDA's global
+    capture mode, which invalidates the capture (`oneshot`'s counters suite failed so, at random, on
+    an H200). With the collector set to run at almost every allocation, collections run and free the
+    earlier cache, none while a stream records, and the step decodes as the torch route does."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    CFG = CFGS["mlp"]
+    m, ref = _twins(CFG, 3)
+    x = torch.randn(2, 2, CFG.d_model, device=DEV)
+
+    def decoded_once() -> DecodeCache:
+        cache = DecodeCache(CFG, 2, 2, device=DEV)
+        m.decode(x[:, :1], cache)              # sets up and captures a step: it and the cache hold each other
+        return cache
+
+    collections = []                           # per collection: was a stream recording?
+    record = lambda phase, _: collections.append(torch.cuda.is_current_stream_capturing()) if phase == "start" else None  # noqa: E731
+    thresholds = gc.get_threshold()
+    with torch.no_grad():
+        earlier = weakref.ref(decoded_once())
+        cache, ref_cache = DecodeCache(CFG, 2, 2, device=DEV), DecodeCache(CFG, 2, 2, device=DEV)
+        gc.callbacks.append(record)
+        gc.set_threshold(1)
+        try:
+            got, info = m.decode(x[:, :1], cache)     # a new step: set up, captured, replayed
+        finally:
+            gc.set_threshold(*thresholds)
+            gc.callbacks.remove(record)
+        want, winfo = ref.decode(x[:, :1], ref_cache)
+    assert collections, "no collection ran: the test exercised nothing"
+    assert earlier() is None, "the earlier cache and step were never freed"
+    assert not any(collections), f"{sum(collections)} of {len(collections)} collections ran during a capture"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(info.idx, winfo.idx)
 
 
 def _syncs(fn) -> int:
@@ -302,7 +345,7 @@ def test_module_decode_host_syncs():
         m.decode(x[:, :1], cache)                            # sets up and captures the step
         assert _syncs(lambda: [m.decode(x[:, t:t + 1], cache) for t in (1, 2, 3)]) == 0
         static = x[:, 4:5].clone()
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with capturing(torch.cuda.CUDAGraph()):
             m.decode(static, cache)                          # recorded (never replayed): the cache is device_owned
         assert cache.device_owned and cache.length == 4
         assert _syncs(lambda: m.decode(x[:, 4:5], cache)) == 1

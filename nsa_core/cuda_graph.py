@@ -1,0 +1,36 @@
+"""CUDA-graph capture that Python's garbage collector cannot invalidate.
+
+``torch.cuda.graph`` captures in CUDA's "global" mode, in which an unsafe CUDA call from the process
+while the graph records invalidates the capture: it then fails at whichever later launch notices
+("operation failed due to a previous error during capture"), and every capture after it in the
+process fails on torch's RNG state. Freeing an earlier CUDA graph is such a call (H200, torch 2.11:
+a graph held by an unreachable reference cycle, collected with ``gc.collect()`` between two ops of
+another capture, failed it so; a cycle holding tensors, a graph's pool tensors or a stream and event
+did not). Python's cyclic collector runs at arbitrary allocations, and a ``DecodeCache`` and the
+decode step it keeps hold each other, so a cache dropped with its step's graph is freed whenever the
+collector next runs: in the middle of a later capture, `oneshot`'s counters suite (a layer and a
+cache per case) had a layer step's capture invalidated at the scores launch of one case and then
+failed 15 cases (H200, with the suites sharing the GPU), where `pytest suites` had passed the same
+suite. ``capturing`` collects first and keeps the collector off while the graph records.
+"""
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, stream=stream)`` with no garbage collection while it records."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
