@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, head_dim_parts, load_dk, ranks_before, sm_count
+from kernels.common import LOG2E, head_dim_parts, load_dk, sm_count
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -330,7 +330,7 @@ WIN_NOWAIT = True
 # H100, graph-replayed, read flush, one workspace, us: B=16 64k 107.1-108.4 vs 104.1-104.4, 16k 57.9-58.6 vs
 # 58.5-59.1, 128k 204.6-396.3 vs 171.6-172.5, B=32 64k 197.9-199.5 vs 196.4-196.8, B=1 64k 472.7-476.9 vs 26.5-26.7.
 # Also not taken, the same shape with the candidates by passes instead of ranks: each scoring program taking its 16 best
-# by eight ``_best_two`` reductions, the top-n running its passes over those (256 at 64k) instead of over every block,
+# by eight best-two reductions (the top-n's passes of then), the top-n running its passes over those (256 at 64k) instead of over every block,
 # the set written, read back and sorted. Blocks and outputs bit-identical; H100, graph-replayed, read flush, one
 # workspace, six rounds, us: B=16 64k 104.4-104.7 vs 102.5-103.2, 128k 181.3-183.2 vs 168.7-169.6, B=1 64k 29.3-29.7
 # vs 26.1-26.5, B=4 46.5-46.9 vs 43.5-44.0, B=32 197.5-199.1 vs 194.8-195.6.
@@ -615,24 +615,34 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
 
 
 @triton.jit
-def _best_two(a1, ja1, a2, ja2, b1, jb1, b2, jb2):
-    """``tl.reduce`` combine: the best two of two ordered pairs (a1 before a2, b1 before b2), ordered."""
-    a_first = ranks_before(a1, ja1, b1, jb1)
-    x, jx = tl.where(a_first, a2, a1), tl.where(a_first, ja2, ja1)   # the second: the loser of the
-    y, jy = tl.where(a_first, b1, b2), tl.where(a_first, jb1, jb2)   # firsts or the winner's second
-    x_first = ranks_before(x, jx, y, jy)
-    return (tl.where(a_first, a1, b1), tl.where(a_first, ja1, jb1),
-            tl.where(x_first, x, y), tl.where(x_first, jx, jy))
-
-
-@triton.jit
 def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
                  NSP: tl.constexpr, NBP: tl.constexpr, GDC: tl.constexpr = 0):
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
     scores among the other causal blocks, ties to the lower index; written ascending, −1 padded.
 
-    The forced blocks are taken as they are, then the rest two at a time: each pass is one reduction
-    whose combine keeps the best two (score, block) pairs (``_best_two``). H100, eager kernel time,
+    The rest come from one bitonic top-k (``tl.topk``) of int64 keys: high word the score's bits mapped
+    so that integers order as the floats do (negatives' magnitude bits flipped, −0 taken as +0, NaN as
+    −inf), low word 2^31 − 1 − j, so that equal scores go to the lower block (``ranks_before``'s order).
+    Those picks and the forced blocks (the distinct ones) are then sorted ascending, a sort of 2·KP.
+    Graph-replayed step (harness timer, read flush), rounds alternating, blocks and outputs bit-identical
+    to the best-two passes below, µs, vs those. H100 (three rounds): 64k B=1 25.0-25.1 vs 25.3-25.7, B=4
+    42.1-42.4 vs 42.8-42.9, B=16 100.2-101.5 vs 101.4-102.6; 128k B=1 32.0-32.2 vs 32.8-32.9, B=16
+    168.2-168.8 vs 167.2-169.3; 16k B=1 21.6-21.7 vs 23.1; this kernel alone (eager, torch.profiler)
+    4.0 vs 5.2 µs at 64k, 6.6 vs 7.4 at 128k, 2.4 vs 3.9 at 16k. H200 (three rounds): 64k B=1 24.2-24.3
+    vs 24.5-24.6, B=4 38.9-39.0 vs 39.6-39.7, B=16 85.0-85.2 vs 86.3-86.5; 16k B=1 20.9 vs 22.2-22.4;
+    128k B=1 30.1 vs 30.8-30.9, B=16 136.8-140.4 vs 134.6-135.3; again with five rounds: 128k B=16
+    134.8-135.0 vs 136.0-136.4, 64k B=1 24.3-24.4 vs 24.7-24.8 (kernel alone 6.8 vs 8.0 and 3.8 vs 4.9).
+    4 warps: slower at B=16 and 128k (H100); 2 warps slower everywhere. It waited two sessions on a
+    failure that was not its own: the `counters` suite had a layer step's CUDA-graph capture invalidated
+    with it, on both GPUs, and `oneshot` later failed the same way with the passes. The garbage
+    collector freed an earlier step's graph mid-capture (``nsa_core.cuda_graph``); with that fixed,
+    `suite decode counters` passed with it on the H200 (44 cases) and so did
+    tests/nsa/test_decode_kernel.py (138). The passes, given NaN scores, left slots unwritten (a stale
+    block from an earlier step); an empty key here would be block 2^31 − 1: NaN ranks lowest instead
+    (test_top_n_writes_real_blocks_whatever_the_scores; that line has run under the interpreter only).
+
+    Until 2026-11-28 the rest were taken two at a time: each pass one ``tl.reduce`` whose combine kept the
+    best two (score, block) pairs. H100, eager kernel time,
     1024 blocks (64k), B=1 / B=16: 5.1 / 5.3 µs vs 5.5 / 5.8 with one argmax pass per slot
     (graph-replayed step: B=1 31.4-31.5 vs 31.6-32.0 µs, B=16 118.1-118.6 vs 118.5-119.0); the best
     four per pass, 7.6 / 8.0 µs. (n argmax passes that also went over the forced blocks took 6.5 µs at B=1, 64k.)
@@ -661,57 +671,42 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     H100, graph-replayed, read flush, best setting (16 blocks a program, 4 warps): 64k B=1 30.6-30.8 vs 28.9-29.0
     us, B=2 39.2-39.4 vs 35.3-35.6, B=4 55.6-55.8 vs 47.5, B=8 82.7 vs 66.3-66.9, B=16 141.5-142.7 vs 105.6-106.8;
     128k B=1 45.2-45.4 vs 36.3-36.4; only 16k B=1 gained, 22.9-23.2 vs 24.0.
-
-    Measured and not taken (2026-11-28): the free blocks' top n − 3 by one ``tl.topk`` (Triton's bitonic top-k) of
-    int64 keys (high word the score's bits mapped so that integers order as floats do, low word 2^31 − 1 − j: ties
-    to the lower block), then the picks and the distinct forced blocks sorted ascending as one array of 2·min(NSP,
-    NBP) lanes (at least 4). Graph-replayed step (harness timer, read flush), three rounds alternating, blocks and
-    outputs bit-identical to these passes, µs. H100: 64k B=1 25.0-25.1 vs 25.3-25.7, B=4 42.1-42.4 vs 42.8-42.9,
-    B=16 100.2-101.5 vs 101.4-102.6; 128k B=1 32.0-32.2 vs 32.8-32.9, B=16 168.2-168.8 vs 167.2-169.3; 16k B=1
-    21.6-21.7 vs 23.1; this kernel alone (eager, torch.profiler) 4.0 vs 5.2 µs at 64k, 6.6 vs 7.4 at 128k, 2.4 vs
-    3.9 at 16k (4 warps: slower at B=16 and 128k; 2 warps slower everywhere). H200: 64k B=1 24.2-24.3 vs 24.5-24.6,
-    B=4 38.9-39.0 vs 39.6-39.7, B=16 85.0-85.2 vs 86.3-86.5; 16k B=1 20.9 vs 22.2-22.4; 128k B=1 30.1 vs 30.8-30.9
-    but B=16 136.8-140.4 vs 134.6-135.3; kernel alone 3.8 vs 4.9 µs at 64k. Not taken because the `counters` suite,
-    on both GPUs, fails with it: one of its tiny-layer cases (prefill 29 on the H100; prefill 11 on the H200, the
-    fifth Triton case run) has its layer step's CUDA-graph capture invalidated ("operation failed due to a previous
-    error during capture", raised at the merge's launch; every later case then fails on torch's RNG state), while
-    that case run alone passes and the suite with these passes has passed every run. What was ruled out on the H200:
-    ``tl.topk`` of int64 keys equals ``torch.topk`` at 4-1024 keys, k 4-16, 1-8 warps (64 rows each, most keys
-    empty); the variant's kernel at the tiny layer's shape (16 blocks, n 4) uses no global scratch and no shared
-    memory; compute-sanitizer (memcheck) over the suite's eight tiny Triton cases found no error (its profiler
-    conflict failed their kernel-evidence check, so the capture failure could not be reproduced under it);
-    tests/nsa/test_decode_kernel.py passed on the GPU (the module-decode failure first taken for the variant's was
-    the test's own: on a GPU it counted the capture's warm-up step as a step, with these passes too). The gain (≤
-    1.5 µs of a 21-25 µs step at B=1) did not justify a capture failure not understood."""
+    """
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     b = bg // G
     g = bg % G
     t = tl.load(POS + b)
     cur = t // BLOCK
-    j = tl.arange(0, NBP)
-    score = tl.load(SCORE + bg * NBP + j)
-    causal = j <= cur
-    forced = causal & ((j == 0) | (j == cur) | (j == cur - 1))
+    # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks' KP
+    NBJ: tl.constexpr = NBP if NBP > 4 else 4
+    KP: tl.constexpr = NSP if NSP < NBJ else NBJ
+    j = tl.arange(0, NBJ)
+    score = tl.load(SCORE + bg * NBP + j, mask=j < NBP, other=0.0)
+    # a NaN score (from inputs that overflow) ranks lowest: every free block's key stays above NONE, so
+    # the picks below are always real blocks, never an empty key's (block 2^31 − 1)
+    score = tl.where(score == score, score, float("-inf"))
+    free = (j <= cur) & (j != 0) & (j != cur) & (j != cur - 1)          # causal and not forced
     n_take = tl.minimum(cur + 1, N_SEL)
-    chosen = forced.to(tl.int32)
-    key = tl.where(causal & ~forced, score, float("-inf"))
-    left = n_take - tl.sum(chosen, 0)
-    # there are at least ``left`` causal blocks besides the forced ones: every pick is a real block
-    no_key = tl.full([NBP], float("-inf"), tl.float32)
-    no_block = tl.full([NBP], NBP, tl.int32)
-    for _ in range(tl.cdiv(left, 2)):
-        _, a, _, a2 = tl.reduce((key, j, no_key, no_block), 0, _best_two)
-        pick = (j == a) | ((j == a2) & (left >= 2))
-        chosen = tl.where(pick, 1, chosen)
-        key = tl.where(pick, float("-inf"), key)
-        left -= 2
+    BIG: tl.constexpr = 2147483647
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & BIG)
+    key = tl.where(free, (bits.to(tl.int64) << 32) | (BIG - j).to(tl.int64), NONE)
+    top = tl.topk(key, KP)                                             # [KP], best first
+    n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
+    s = tl.arange(0, KP)
+    # there are at least n_take − n_forced free causal blocks: every pick below is a real block
+    pick = tl.where(s < n_take - n_forced, BIG - (top & BIG).to(tl.int32), BIG)
+    forced = tl.where(s == 0, 0, tl.where(((s == 1) & (cur >= 2)) | ((s == 2) & (cur >= 1)), cur - 2 + s, BIG))
+    blocks = tl.sort(tl.reshape(tl.join(pick, forced), [2 * KP]), 0)     # ascending, BIG last
     _grid_release(GDC)
-    rank = tl.cumsum(chosen, 0) - 1                                  # ascending order of the set
     dst = IDX + b * sib + g * sig
-    tl.store(dst + rank, j, mask=chosen != 0)
-    slots = tl.arange(0, NSP)
-    tl.store(dst + slots, tl.full([NSP], -1, tl.int32), mask=(slots >= n_take) & (slots < N_SEL))
+    r = tl.arange(0, 2 * KP)
+    tl.store(dst + r, tl.where(r < n_take, blocks, -1), mask=r < N_SEL)
+    if 2 * KP < N_SEL:          # a cache of fewer than n/2 blocks: the slots past the sort's are unused
+        r2 = tl.arange(0, NSP)
+        tl.store(dst + r2, tl.full([NSP], -1, tl.int32), mask=(r2 >= 2 * KP) & (r2 < N_SEL))
 
 
 @triton.jit

@@ -156,6 +156,32 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
         assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
 
 
+@pytest.mark.parametrize("nb,n_sel", [(64, 16), (8, 4)], ids=["64-blocks-n16", "8-blocks-n4"])
+def test_top_n_writes_real_blocks_whatever_the_scores(nb, n_sel):
+    """The step's top-n on scores holding NaN, +inf and -inf (what inputs that overflow give): at every
+    position it still writes min(n, causal blocks) distinct causal blocks, ascending, block 0 and the local
+    blocks among them, the rest -1 — never a block past the query (a NaN ranks lowest)."""
+    import triton
+
+    from kernels.decode import _topn_kernel
+    cfg = tiny(block_size=16, n_selected=n_sel)
+    NB, G = nb, 2
+    torch.manual_seed(6)
+    s = torch.rand(G, NB)
+    for i, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
+        s[:, i::3][torch.rand(G, len(range(i, NB, 3))) < 0.4] = bad
+    for t in range(0, NB * cfg.block_size, 5):
+        pos = torch.tensor([t], dtype=torch.int32, device=DEV)
+        idx = torch.full((1, G, n_sel), 99, dtype=torch.int32, device=DEV)
+        _topn_kernel[(G,)](s.to(DEV), pos, idx, idx.stride(0), idx.stride(1), G=G, BLOCK=cfg.block_size,
+                           N_SEL=n_sel, NSP=triton.next_power_of_2(n_sel), NBP=NB)
+        cur, take = t // cfg.block_size, min(n_sel, t // cfg.block_size + 1)
+        for row in idx[0].cpu().tolist():
+            blocks = row[:take]
+            assert blocks == sorted(set(blocks)) and all(0 <= j <= cur for j in blocks), (t, row)
+            assert {0, cur, max(cur - 1, 0)} <= set(blocks) and row[take:] == [-1] * (n_sel - take), (t, row)
+
+
 @pytest.mark.parametrize("t", POSITIONS)
 def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer, tiles, sums):
     """DecodeStep given the new token's k/v (token t not yet in the cache, NaN there), as the bench
