@@ -633,10 +633,11 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     128k B=1 30.1 vs 30.8-30.9, B=16 136.8-140.4 vs 134.6-135.3; again with five rounds: 128k B=16
     134.8-135.0 vs 136.0-136.4, 64k B=1 24.3-24.4 vs 24.7-24.8 (kernel alone 6.8 vs 8.0 and 3.8 vs 4.9).
     4 warps: slower at B=16 and 128k (H100); 2 warps slower everywhere. It waited two sessions on a
-    failure that was not its own: the `counters` suite had a layer step's CUDA-graph capture invalidated
-    with it, on both GPUs, and `oneshot` later failed the same way with the passes. The garbage
-    collector freed an earlier step's graph mid-capture (``nsa_core.cuda_graph``); with that fixed,
-    `suite decode counters` passed with it on the H200 (44 cases) and so did
+    failure that, by all signs, was not its own: with it the `counters` suite had a layer step's CUDA-graph
+    capture invalidated, on both GPUs, at a different case and launch each time; `oneshot` later failed the
+    same way with the passes, where the garbage collector could free an earlier step's graph mid-capture,
+    which invalidates a capture (``nsa_core.cuda_graph``). With captures kept clear of the collector,
+    `suite decode counters` passed with it on the H200 (44 cases; one run) and so did
     tests/nsa/test_decode_kernel.py (138). The passes, given NaN scores, left slots unwritten (a stale
     block from an earlier step); an empty key here would be block 2^31 − 1: NaN ranks lowest instead
     (test_top_n_writes_real_blocks_whatever_the_scores; that line has run under the interpreter only).
