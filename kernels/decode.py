@@ -51,6 +51,7 @@ hold anything, NaN included: they are never read.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -1075,14 +1076,24 @@ class DecodeStep:
     call: q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v] (None: already in the cache), pos
     [B] int32 (device), gate [B, H, 3] or None -> StepOut (views into this step's workspace,
     overwritten by the next call). The compressed cache is updated by the caller when a span
-    completes (once every d steps; ``NSAAttention.decode`` does it)."""
+    completes (once every d steps; ``NSAAttention.decode`` does it).
 
-    def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES) -> None:
-        self.cfg, self.cache, self.branches = cfg, cache, tuple(branches)
+    ``held_by_cache``: the step is kept in ``cache.kernel_state`` (``kernels.routes``), and then holds
+    the cache weakly, so that a cache dropped is freed at once with its steps and their CUDA graph
+    rather than by Python's cyclic collector later, at any allocation: in the middle of a CUDA-graph
+    capture, freeing a graph invalidates the capture (``nsa_core.cuda_graph``)."""
+
+    def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES, *, held_by_cache: bool = False) -> None:
+        self.cfg, self.branches = cfg, tuple(branches)
+        self._cache = weakref.ref(cache) if held_by_cache else lambda: cache
         B = cache.k.shape[0]
         self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device)
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
         assert cache.k.stride(2) == cfg.d_k and cache.v.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
+
+    @property
+    def cache(self):
+        return self._cache()
 
     def __call__(self, q, k_new=None, v_new=None, *, pos, gate=None) -> StepOut:
         c = self.cache

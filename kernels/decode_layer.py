@@ -312,11 +312,12 @@ def _unpack(info: torch.Tensor, names: list[str]) -> tuple[dict[str, torch.Tenso
 
 class LayerDecodeStep:
     """One NSA layer decode step for module ``m`` over ``cache`` (which holds ``cache.length``
-    tokens, e.g. after a prefill); buffers and plan are made once, here."""
+    tokens, e.g. after a prefill); buffers and plan are made once, here. ``held_by_cache``: kept in
+    ``cache.kernel_state``, it holds the cache weakly (``DecodeStep``)."""
 
-    def __init__(self, m, cache) -> None:
-        self.m, self.cache, cfg = m, cache, m.cfg
-        self.attn = DecodeStep(cfg, cache)
+    def __init__(self, m, cache, *, held_by_cache: bool = False) -> None:
+        self.m, cfg = m, m.cfg
+        self.attn = DecodeStep(cfg, cache, held_by_cache=held_by_cache)
         B, G, l, D = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len, cfg.d_model
         dev, dt = cache.k.device, cache.k.dtype
         assert cache.k_cmp.stride(2) == cfg.d_k and cache.v_cmp.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
@@ -352,6 +353,10 @@ class LayerDecodeStep:
         # (CUDA graph, its input, its outputs (out, reads and blocks as int64, the reads' branches), what it was
         # captured for, its notes)
         self._graph: tuple | None = None
+
+    @property
+    def cache(self):
+        return self.attn.cache
 
     def seek(self, t: int) -> None:
         """Continue at position t: the next step appends token t, as if tokens t.. had not been

@@ -202,7 +202,7 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
     key = (routing.TRITON, tuple(branches))
     step = cache.kernel_state.get(key)
     if step is None:
-        step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches)
+        step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches, held_by_cache=True)
     r = step(q, pos=cache.pos)
     routing.note(routing.DECODE, "step", routing.TRITON)
     return (r.out, {br: x.long() for br, x in r.reads.items()},
@@ -231,7 +231,7 @@ def decode_layer(m, x, cache, t: int):
         return held[1].record(x, t)       # recorded, not run: no note
     if held is None or held[0] is not m:
         from kernels.decode_layer import LayerDecodeStep
-        held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache))
+        held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache, held_by_cache=True))
     step = held[1]
     if step.length != t:                   # (a seek to a full cache stays on its last row; the step then refuses)
         step.seek(t)

@@ -7,11 +7,13 @@ process fails on torch's RNG state. Freeing an earlier CUDA graph is such a call
 a graph held by an unreachable reference cycle, collected with ``gc.collect()`` between two ops of
 another capture, failed it so; a cycle holding tensors, a graph's pool tensors or a stream and event
 did not). Python's cyclic collector runs at arbitrary allocations, and a ``DecodeCache`` and the
-decode step it keeps hold each other, so a cache dropped with its step's graph is freed whenever the
-collector next runs: in the middle of a later capture, `oneshot`'s counters suite (a layer and a
+decode step it kept held each other, so a cache dropped with its step's graph was freed whenever the
+collector next ran: in the middle of a later capture, `oneshot`'s counters suite (a layer and a
 cache per case) had a layer step's capture invalidated at the scores launch of one case and then
 failed 15 cases (H200, with the suites sharing the GPU), where `pytest suites` had passed the same
-suite. ``capturing`` collects first and keeps the collector off while the graph records.
+suite. ``capturing`` collects first and keeps the collector off while the graph records; and a step
+kept by its cache now holds the cache weakly (``kernels.decode.DecodeStep``), so that a dropped
+cache and its graph are freed at once, not later inside someone else's capture.
 """
 from __future__ import annotations
 

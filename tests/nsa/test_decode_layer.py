@@ -276,13 +276,44 @@ def test_module_decode_in_a_callers_cuda_graph():
             cache.length
 
 
+@pytest.mark.parametrize("only", [None, "sel"], ids=["layer-step", "branch-step"])
+def test_a_dropped_cache_is_freed_at_once(only):
+    """A cache the Triton route decoded on keeps its step (plan, workspace and, on a GPU, the layer step's
+    CUDA graph) in ``kernel_state``; the step holds the cache weakly, so that dropping the cache frees both
+    at once, with the collector off: no reference cycle is left for Python's collector to free at some
+    later allocation, which could fall in the middle of a caller's CUDA-graph capture and invalidate it
+    (``nsa_core.cuda_graph``)."""
+    CFG = CFGS["mlp"]
+    why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    m, _ = _twins(CFG, 5)
+    x = torch.randn(2, 3, CFG.d_model, device=DEV)
+    cache = DecodeCache(CFG, 2, 3, device=DEV)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for t in range(2):
+                m.decode(x[:, t:t + 1], cache, only=only)
+        steps = [v[1] if isinstance(v, tuple) else v for v in cache.kernel_state.values()]
+        assert steps, "the Triton route kept no step on the cache: nothing was tested"
+        kept = [weakref.ref(o) for o in (cache, *steps)]
+        del steps, cache
+        alive = [r() for r in kept if r() is not None]
+        assert not alive, f"still alive after the cache was dropped: {[type(o).__name__ for o in alive]}"
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_no_garbage_collection_while_a_step_records():
     """A layer step's capture runs with Python's cyclic collector held off (``nsa_core.cuda_graph``):
-    a collection in the middle of a capture may free an earlier cache and its step (they hold each
-    other, so only the collector frees them) with their CUDA graph, an unsafe call in CUDA's global
-    capture mode, which invalidates the capture (`oneshot`'s counters suite failed so, at random, on
-    an H200). With the collector set to run at almost every allocation, collections run and free the
-    earlier cache, none while a stream records, and the step decodes as the torch route does."""
+    a collection in the middle of a capture may free an unreachable CUDA graph (one held by a reference
+    cycle, as a cache and its step were), an unsafe call in CUDA's global capture mode, which invalidates
+    the capture (`oneshot`'s counters suite failed so, at random, on an H200). With the collector set to
+    run at almost every allocation, collections run, none while a stream records, the earlier cache is
+    freed, and the step decodes as the torch route does."""
     if DEV != "cuda":
         pytest.skip("CUDA graphs need a CUDA GPU")
     CFG = CFGS["mlp"]
