@@ -1,6 +1,7 @@
 """The packages' layering, read from the source: nsa_core (the NSA) < kernels (its fast paths) <
 nsa_validate (the harness) < suites (what it checks). Every import, lazy ones included, points
-down or sideways; no import cycle between modules; the dispatch log imports nothing of the project."""
+down or sideways; no import cycle between modules; the dispatch log imports nothing of the project; every
+CUDA graph is captured through one helper."""
 from __future__ import annotations
 
 import ast
@@ -86,3 +87,16 @@ def test_the_dispatch_log_imports_nothing_of_the_project():
 def test_the_graph_was_read():
     """The checks above are about something: the known edges are there."""
     assert "nsa_core.routing" in GRAPH["kernels.routes"] and "nsa_validate.registry" in GRAPH["nsa_validate.profiles"]
+
+
+def test_every_cuda_graph_is_captured_through_capturing():
+    """``torch.cuda.graph`` appears in ``nsa_core/cuda_graph.py`` alone: every capture in the project,
+    its suites and tests goes through ``capturing``, which keeps the garbage collector from freeing a CUDA
+    graph, and so invalidating the capture, while it records."""
+    helper = REPO_ROOT / "nsa_core" / "cuda_graph.py"
+    this = Path(__file__).resolve()
+    files = [p for d in (*LAYERS, "tests") for p in sorted((REPO_ROOT / d).rglob("*.py")) if p != this]
+    direct = [f"{p.relative_to(REPO_ROOT)}:{i}" for p in files if p != helper
+              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+              if "torch.cuda.graph(" in line and not line.lstrip().startswith("#")]
+    assert helper in files and not direct, f"captured without capturing: {direct}"
