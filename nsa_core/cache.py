@@ -9,7 +9,9 @@ its output, which every suite checks for. Layouts: k [B, T_max, G, d_k], v [B, T
 k_cmp [B, N_max, G, d_k], v_cmp [B, N_max, G, d_v]. All batch rows share one position: ``length``
 on the host, and ``pos`` [B] int32 on the device (the position of the token appended last, the t
 a decode kernel reads without asking the host). ``kernel_state`` holds what a decode
-implementation sets up once per cache (the Triton step's plan and workspace), not per token.
+implementation sets up once per cache (the Triton step's plan and workspace), not per token; what
+it holds refers back to the cache weakly, so that a dropped cache is freed at once, CUDA graphs
+and all (``nsa_core.cuda_graph`` says why that matters).
 
 A decode step recorded into a caller's CUDA graph advances the position on the device at every
 replay, which the host cannot count: from then on (``device_owned``) ``length`` is read from
