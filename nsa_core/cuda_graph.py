@@ -11,9 +11,10 @@ decode step it kept held each other, so a cache dropped with its step's graph wa
 collector next ran: in the middle of a later capture, `oneshot`'s counters suite (a layer and a
 cache per case) had a layer step's capture invalidated at the scores launch of one case and then
 failed 15 cases (H200, with the suites sharing the GPU), where `pytest suites` had passed the same
-suite. ``capturing`` collects first and keeps the collector off while the graph records; and a step
-kept by its cache now holds the cache weakly (``kernels.decode.DecodeStep``), so that a dropped
-cache and its graph are freed at once, not later inside someone else's capture.
+suite. ``capturing`` keeps the collector off while the graph records (what it would have freed
+then is freed at its next run, after); and a step kept by its cache now holds the cache weakly
+(``kernels.decode.DecodeStep``), so that a dropped cache and its graph are freed at once, not later
+inside someone else's capture.
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ import torch
 
 @contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
-    """``torch.cuda.graph(graph, stream=stream)`` with no garbage collection while it records."""
-    gc.collect()
+    """``torch.cuda.graph(graph, stream=stream)`` with no garbage collection while it records. (No
+    collection before it either, which ``torch.cuda.graph`` makes only under
+    ``torch.compiler.config.force_cudagraph_gc``, off by default in torch 2.13: ``gc.collect()`` took
+    ~85 ms in a process with the suites' imports, ~190k objects tracked, on a CPU machine, and the timing
+    helper captures twice a bench.)"""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
