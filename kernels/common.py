@@ -60,6 +60,14 @@ def ranks_before(va, ja, vb, jb):
 
 
 @triton.jit
+def block_key(bits, j):
+    """(score bits, block j) as one int64 key: the bits (int32, ordered as the scores are) above
+    2^31 − 1 − j, so that keys order by score, then by the lower block (``ranks_before``'s order).
+    The prefill and decode top-n sort and rank these; the low word unpacks to j as 2^31 − 1 − it."""
+    return (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
+
+
+@triton.jit
 def load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
     """Rows [R] of pointers, each to a d_k vector, loaded as two power-of-two parts: ([R, BDA],
     [R, BDB]), zero where not ``ok`` [R] or past d_k. BDB = 0: one part, returned twice (the

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, head_dim_parts, load_dk, sm_count
+from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, sm_count
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -694,7 +694,7 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     NONE: tl.constexpr = -9223372036854775807 - 1
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     bits = bits ^ ((bits >> 31) & BIG)
-    key = tl.where(free, (bits.to(tl.int64) << 32) | (BIG - j).to(tl.int64), NONE)
+    key = tl.where(free, block_key(bits, j), NONE)
     top = tl.topk(key, KP)                                             # [KP], best first
     n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
     s = tl.arange(0, KP)

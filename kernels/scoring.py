@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptors_dk, descriptors_usable, dot_dk, head_dim_parts,
-                            launch_fitting, pow2, precision, ranks_before, usable)
+from kernels.common import (LOG2E, LOG2E_C, block_key, cu_or_one, descriptors_dk, descriptors_usable, dot_dk,
+                            head_dim_parts, launch_fitting, pow2, precision, ranks_before, usable)
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
 from nsa_core import dispatch
 
@@ -74,13 +74,6 @@ def _best_and_worst(ts, tj, cs, cj):
     tmin = tl.min(ts, 1)
     tjm = tl.max(tl.where(ts == tmin[:, None], tj, -1), 1)
     return cmax, cjm, tmin, tjm
-
-
-@triton.jit
-def _key(bits, j):
-    """(score bits, block j) as one int64 key: bits above 2^31 − 1 − j, so that keys order by score, then by
-    the lower block (``ranks_before``'s order)."""
-    return (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
 
 
 @triton.jit
@@ -149,7 +142,7 @@ def _score_chunk(ts, tj, carry, Q, QB, LSE, t, t0, bos, tok, tok_ok, cur, c, n_h
         else:
             # the list holds the NS best: the chunk's candidates sorted as (score bits, 2^31 − 1 − block)
             # keys, best first, and the first NS kept (an empty slot: -1, after every real block)
-            key = _first_half(tl.sort(_key(tl.where(causal, bits, -1), j[None, :]), 1, descending=True), BT, BB)
+            key = _first_half(tl.sort(block_key(tl.where(causal, bits, -1), j[None, :]), 1, descending=True), BT, BB)
             if BB // NS == 4:           # BB / NS is 2 or 4: BB = max(32, NS) and NS >= 8 (the launcher)
                 key = _first_half(key, BT, BB // 2)
             js = tl.arange(0, NS)
@@ -206,7 +199,7 @@ def _score_topn_kernel(Q, QB, KC, KCB, LSE, CU, CUC, IDX,
                                          ov, ov_next, KC, KCB, sqt, sqh, skt, skh, slt, slh, scale_log2, CMP_LEN,
                                          CMP_STRIDE, H_PER_G, DK, BT, BB, BCS, BDA, BDB, PREC, True, TMA, NS)
         # the NS best, unordered: keep the N_SEL best (NS may be larger), written ascending, sorted once
-        top = tl.sort(_key(ts, tj), 1, descending=True)
+        top = tl.sort(block_key(ts, tj), 1, descending=True)
         taken = (top >= 0) & (js[None, :] < N_SEL)
         blocks = tl.where(taken, 0x7FFFFFFF - top.to(tl.int32), 0x7FFFFFFF)      # the low word: the block
         blocks = tl.sort(blocks, 1)                                   # ascending, the padding last
