@@ -322,7 +322,7 @@ def test_no_garbage_collection_while_a_step_records():
 
     def decoded_once() -> DecodeCache:
         cache = DecodeCache(CFG, 2, 2, device=DEV)
-        m.decode(x[:, :1], cache)              # sets up and captures a step: it and the cache hold each other
+        m.decode(x[:, :1], cache)              # sets up and captures a step, kept in the cache
         return cache
 
     collections = []                           # per collection: was a stream recording?
