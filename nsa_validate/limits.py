@@ -2,7 +2,7 @@
 
 A figure faster than the hardware allows is a bug (a timer that misses work, a graph that replays
 nothing, bytes counted twice), not a result. Every timing a suite records goes through
-``plausible``: a non-positive time fails, and so does
+``implausible``: a non-positive time fails, and so does
 
 * achieved bandwidth (the fewest bytes the work must move / time) above the device's measured
   ceiling — the larger of a 1 GiB device copy (read + write) and a 1 GiB read — when those bytes
