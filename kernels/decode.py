@@ -15,8 +15,7 @@ graph (the position is a device tensor; no shape depends on it):
    else a product by a 0/1 overlap matrix), and that max: 17 + 1 numbers per head for 64 tokens, instead of the 64 logits
    themselves (those made a 10% DRAM round trip at 128k: written here, read back by the scorer). They
    are stored evict_last, so that the cache streaming through L2 does not evict them before they are
-   scored (measured: the record of the evict_last stores among the
-   module's notes below).
+   scored (measured: the record of the evict_last stores in the notes below).
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
