@@ -39,6 +39,12 @@ given k_new/v_new) and runs all three branches, the window programs do not wait 
 earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
 the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t from the new token's row.)
 
+The grids are sized for the cache's capacity (a graph replays them at every position), the work for
+the tokens held: the compressed launch splits the compressed tokens at position t as it would split a
+full cache of t + 1 tokens (``_cmp_split``; its programs past them do nothing), the scorer scores and
+the top-n ranks only the blocks up to t's, and the merge reads only the partials written. So a cache
+allocated with room to grow costs what a full one does.
+
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
 ``branches=`` runs only the work of the named branches (selection belongs to ``sel``), so each
@@ -139,6 +145,7 @@ TWO_BLOCK_TILES = (9, 16)
 # 26.4-26.8 vs 25.7-26.2, B=32 196.0-196.4 vs 194.5-195.0.)
 SUMS_BY_RESHAPE = True
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
+TOPN_CHUNK = 1024             # selection blocks the top-n ranks at a time (``_topn_kernel``)
 # compressed tokens per tile of the compressed partials. (128, half the tile loop's iterations and barriers per
 # byte, measured slower: H100, graph-replayed, read flush, B=16 64k 126.1-126.4 us with 1 stage (80 KB of shared
 # memory; 2 stages, one program per SM: 162.1-162.2) vs 105.7-107.3; 128k 208.6-209.1 vs 175.9-176.5; B=4 56.9-58.6
@@ -434,9 +441,28 @@ def _block_sums(p, BH: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, CMP_
 
 
 @triton.jit
+def _cmp_split(t, BG, n_sm, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr,
+               CMP_TILES: tl.constexpr, HALVINGS: tl.constexpr, C_CMP: tl.constexpr):
+    """How the compressed launch splits the compressed tokens held at position t -> (n_cmp, V tiles of
+    BNC tokens that hold them, T tiles a program, chunks in use = cdiv(V, T)). From t, not from the
+    cache's capacity, so that a cache with room to grow is split as a full one of t + 1 tokens: the
+    ``_tiles_per_chunk`` rule on V (T halved from CMP_TILES, the capacity's, while fewer programs than
+    SMs would run), and T at least V / C_CMP, so that the launch's C_CMP chunks cover V. The chunks
+    past those in use do nothing; the scorer and the merge read only those in use. BG: rows · KV heads."""
+    # compressed token i is usable iff i·d + l − 1 <= t
+    n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
+    V = (n_cmp + BNC - 1) // BNC
+    T = tl.full([], CMP_TILES, tl.int32)
+    for _ in tl.static_range(HALVINGS):
+        T = tl.where((T > 1) & ((V + T - 1) // T * BG < n_sm), T // 2, T)
+    T = tl.maximum(T, (V + C_CMP - 1) // C_CMP)
+    return n_cmp, V, T, (V + T - 1) // T
+
+
+@triton.jit
 def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
                     sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
-                    scale_log2, c_lo,
+                    scale_log2, c_lo, n_sm,
                     G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
                     CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr,
                     C_CMP: tl.constexpr, C_WIN: tl.constexpr, NC: tl.constexpr,
@@ -446,7 +472,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                     BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
                     BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
                     STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
-                    WIN_NOWAIT: tl.constexpr = False, SUM_RESHAPE: tl.constexpr = False):
+                    WIN_NOWAIT: tl.constexpr = False, SUM_RESHAPE: tl.constexpr = False,
+                    HALVINGS: tl.constexpr = 0):
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     if WIN_NOWAIT:
@@ -484,8 +511,8 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     # 57.6-57.9 vs 58.2-59.0, B=1 and B=4 the same within 0.4; PTX barriers 43 -> 39 (compressed), 36 -> 33)
     cnt = tl.zeros([BN], tl.int32)
     if c < C_CMP:
-        # compressed token i is usable iff i·d + l − 1 <= t
-        n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
+        # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
+        n_cmp, held, T, _ = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS, C_CMP)
         if WRITE_SCORES and not SUM_RESHAPE:
             # token i's span [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. Tiles
             # start on block boundaries, so the overlap of a tile's BN tokens with the NBT_P blocks from
@@ -494,8 +521,13 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
             span = offs_n * CMP_STRIDE
             over = ((span[:, None] < (jj[None, :] + 1) * BLOCK) & (span[:, None] + CMP_LEN > jj[None, :] * BLOCK))
             over = over.to(tl.float32)
-        for ti in tl.range(CMP_TILES, num_stages=STAGES):
-            kpos = (c * CMP_TILES + ti) * BN + offs_n
+        if CMP_TILES == 1:      # T is 1 at every position: a loop of one, known to the compiler
+            first, n_t = c, 1
+        else:
+            first, n_t = c * T, tl.minimum(c * T + T, held) - c * T
+        for i in tl.range(0, n_t, num_stages=STAGES):
+            ti = first + i
+            kpos = ti * BN + offs_n
             valid = kpos < n_cmp
             kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
             vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
@@ -505,7 +537,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                 # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1. The sums are of the
                 # softmax's own p, relative to the running max m_run at this tile; rows of NBT floats back
                 # to back: a tile's sums are one contiguous run of whole sectors
-                at = (bg * NT + c * CMP_TILES + ti).to(tl.int64) * BH + rows
+                at = (bg * NT + ti).to(tl.int64) * BH + rows
                 if SUM_RESHAPE:
                     bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
                     jb = tl.arange(0, TB)
@@ -575,30 +607,38 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
 
 
 @triton.jit
-def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
-                   H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr, CP: tl.constexpr,
-                   NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
-                   NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr, GDC: tl.constexpr = 0):
-    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP].
-    (These programs also merging the compressed branch's partials, a slice of d_v each, from the same
-    M and L, left the merge launch only the window's and selection's few chunks but was no faster:
-    H100, graph-replayed step, 64k B=1 31.3-31.7 vs 31.2-31.7 µs (scores 5.6 vs 2.3 µs eager, merge
-    2.8 vs 6.0), B=4 53.2-53.4 vs 52.0-52.1, B=16 119.0-119.4 vs 118.6-118.7; 128k B=4 75.5 vs 72.0.)"""
-    _grid_dependency(GDC)
+def _scores_kernel(PM, PL, BSUM, BMAX, SCORE, POS, n_sm,
+                   G: tl.constexpr, H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr,
+                   CP: tl.constexpr, NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
+                   NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr, BLOCK: tl.constexpr,
+                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
+                   HALVINGS: tl.constexpr, GDC: tl.constexpr = 0):
+    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP],
+    for the blocks up to the new token's (the top-n ranks no other; a program past them does nothing)."""
     bg = tl.program_id(0)
+    # the position is written by work that ended two launches back or more (``_grid_dependency``): read
+    # while the compressed launch finishes
+    t = tl.load(POS + bg // G)
+    _grid_dependency(GDC)
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    # a program past the new token's block loads nothing and stores nothing (masks, not a branch: a
+    # branch around the body made the step 4 us slower at B=1, docs/decisions.md)
+    live = tl.program_id(1) * BJ <= t // BLOCK
+    # the chunks and tiles the compressed launch wrote at this position (``_cmp_split``)
+    _, held, _, n_ch = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BNC, CMP_TILES, HALVINGS, C_CMP)
     rows = tl.arange(0, BH)
     # each head's softmax max M and normaliser L over all compressed tokens, from the chunk partials
     ch = tl.arange(0, CP)
     part = (bg * NC + ch)[:, None] * BH + rows[None, :]
-    pm = tl.load(PM + part, mask=ch[:, None] < C_CMP, other=float("-inf"))
-    pl = tl.load(PL + part, mask=ch[:, None] < C_CMP, other=0.0)
+    n_ch = tl.where(live, n_ch, 0)
+    pm = tl.load(PM + part, mask=ch[:, None] < n_ch, other=float("-inf"))
+    pl = tl.load(PL + part, mask=ch[:, None] < n_ch, other=0.0)
     M = tl.max(pm, 0)
     M = tl.where(M == float("-inf"), 0.0, M)
     L = tl.sum(tl.exp2(pm - M[None, :]) * pl, 0)
     inv_L = tl.where(L > 0, 1.0 / tl.where(L > 0, L, 1.0), 0.0)        # no compressed token: 0
     # block j: p_cmp of the tokens overlapping it = the block sums of the (at most OVT) tiles that
     # reach it, each rescaled from the max it was taken against to the head's M and divided by L
-    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     score = tl.zeros([BJ], tl.float32)
     for hh in tl.static_range(H_PER_G):
         m_h = tl.sum(tl.where(rows == hh, M, 0.0), 0)
@@ -606,96 +646,60 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE,
         for o in tl.static_range(OVT):
             tau = j // TB - o
             local = j - tau * TB
-            ok = (tau >= 0) & (tau < NT) & (local < NBT)
+            ok = (tau >= 0) & (tau < held) & (local < NBT) & live
             at = (bg * NT + tau).to(tl.int64) * BH + hh
             mt = tl.load(BMAX + at, mask=ok, other=0.0)
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
+    tl.store(SCORE + bg * NBP + j, score, mask=live)
     _grid_release(GDC)
-    tl.store(SCORE + bg * NBP + j, score)
+
+
+@triton.jit
+def _topn_keys(SCORE, bg, cur, j0, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
+    """The best KP keys, best first, among the free causal blocks j0..j0+CH−1 of SCORE's row bg (cur:
+    the new token's block). A key: high word the score's bits mapped so that integers order as the
+    floats do (negatives' magnitude bits flipped, −0 taken as +0, NaN as −inf), low word 2^31 − 1 − j,
+    so that equal scores go to the lower block (``ranks_before``'s order); no free block: the least int64."""
+    BIG: tl.constexpr = 2147483647
+    NONE: tl.constexpr = -9223372036854775807 - 1
+    j = j0 + tl.arange(0, CH)
+    score = tl.load(SCORE + bg * NBP + j, mask=(j <= cur) & (j < NBP), other=0.0)
+    # a NaN score (from inputs that overflow) ranks lowest: every free block's key stays above NONE, so
+    # the picks are always real blocks, never an empty key's (block 2^31 − 1)
+    score = tl.where(score == score, score, float("-inf"))
+    free = (j <= cur) & (j != 0) & (j != cur) & (j != cur - 1)          # causal and not forced
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & BIG)
+    return tl.topk(tl.where(free, block_key(bits, j), NONE), KP)
 
 
 @triton.jit
 def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
-                 NSP: tl.constexpr, NBP: tl.constexpr, GDC: tl.constexpr = 0):
+                 NSP: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr, GDC: tl.constexpr = 0):
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
-    scores among the other causal blocks, ties to the lower index; written ascending, −1 padded.
-
-    The rest come from one bitonic top-k (``tl.topk``) of int64 keys: high word the score's bits mapped
-    so that integers order as the floats do (negatives' magnitude bits flipped, −0 taken as +0, NaN as
-    −inf), low word 2^31 − 1 − j, so that equal scores go to the lower block (``ranks_before``'s order).
-    Those picks and the forced blocks (the distinct ones) are then sorted ascending, a sort of 2·KP.
-    Graph-replayed step (harness timer, read flush), rounds alternating, blocks and outputs bit-identical
-    to the best-two passes below, µs, vs those. H100 (three rounds): 64k B=1 25.0-25.1 vs 25.3-25.7, B=4
-    42.1-42.4 vs 42.8-42.9, B=16 100.2-101.5 vs 101.4-102.6; 128k B=1 32.0-32.2 vs 32.8-32.9, B=16
-    168.2-168.8 vs 167.2-169.3; 16k B=1 21.6-21.7 vs 23.1; this kernel alone (eager, torch.profiler)
-    4.0 vs 5.2 µs at 64k, 6.6 vs 7.4 at 128k, 2.4 vs 3.9 at 16k. H200 (three rounds): 64k B=1 24.2-24.3
-    vs 24.5-24.6, B=4 38.9-39.0 vs 39.6-39.7, B=16 85.0-85.2 vs 86.3-86.5; 16k B=1 20.9 vs 22.2-22.4;
-    128k B=1 30.1 vs 30.8-30.9, B=16 136.8-140.4 vs 134.6-135.3; again with five rounds: 128k B=16
-    134.8-135.0 vs 136.0-136.4, 64k B=1 24.3-24.4 vs 24.7-24.8 (kernel alone 6.8 vs 8.0 and 3.8 vs 4.9).
-    4 warps: slower at B=16 and 128k (H100); 2 warps slower everywhere. It waited two sessions on a
-    failure that, by all signs, was not its own: with it the `counters` suite had a layer step's CUDA-graph
-    capture invalidated, on both GPUs, at a different case and launch each time; `oneshot` later failed the
-    same way with the passes, where the garbage collector could free an earlier step's graph mid-capture,
-    which invalidates a capture (``nsa_core.cuda_graph``). With captures kept clear of the collector,
-    `suite decode counters` passed with it on the H200 (44 cases; one run) and so did
-    tests/nsa/test_decode_kernel.py (138). The passes, given NaN scores, left slots unwritten (a stale
-    block from an earlier step); an empty key here would be block 2^31 − 1: NaN ranks lowest instead
-    (test_top_n_writes_real_blocks_whatever_the_scores; that line has run under the interpreter only).
-
-    Until 2026-11-28 the rest were taken two at a time: each pass one ``tl.reduce`` whose combine kept the
-    best two (score, block) pairs. H100, eager kernel time,
-    1024 blocks (64k), B=1 / B=16: 5.1 / 5.3 µs vs 5.5 / 5.8 with one argmax pass per slot
-    (graph-replayed step: B=1 31.4-31.5 vs 31.6-32.0 µs, B=16 118.1-118.6 vs 118.5-119.0); the best
-    four per pass, 7.6 / 8.0 µs. (n argmax passes that also went over the forced blocks took 6.5 µs at B=1, 64k.)
-    Slower still, each against n argmax passes (6.5 µs; 2048 blocks 6.8): one bitonic ``tl.sort`` of
-    packed (score bits, index) keys and a threshold at the n-th, 8.1 µs; n max passes over such
-    packed int64 keys, 7.3 µs; a radix select on the score bits (eight rounds of 4-bit digit counts),
-    10.1 µs (2048 blocks: step 68.7 vs 45.6 µs at B=1, 128k); R runs of the scores each giving its
-    best n − 3 by argmax passes within a warp, then the R·16 candidates ranked by comparing each with
-    every other, 6.0-9.9 µs for R = 4 / 8 (2048 blocks: 7.7-13.5 µs); each scoring program keeping
-    its n − 3 best as sorted int64 keys and this program picking from those (256 candidates at 64k)
-    by two sorts, top-n 3.7 vs 5.1 µs but scoring 3.0 vs 2.3 (B=1, 64k): graph-replayed step 64k
-    B=1 / 4 / 16 22.5 / 44.3 / 110.4 vs 23.3 / 45.9 / 111.3 µs, 128k B=1 / 16 30.0-32.7 /
-    178.5-181.8 vs 31.1 / 178.4 (1-8 warps), within a microsecond; 1 or 2 warps instead of 8, step
-    50.4 / 36.0 vs 34.4-34.9 µs at B=1 (4 warps: the same as 8). Scoring and top-n as one launch (a
-    program per row · KV head computing all its block scores) was slower than the two: 12.0 vs 2.3 +
-    6.5 µs at B=1, 64k, 89.7 µs at 128k (graph-replayed step 43.1 vs 38.9 µs at B=1, 64k). So was
-    launching the window's partials with the compressed ones instead of with the selection's: step
-    140.7 vs 131.4 µs at B=16, 64k; or as more programs of this launch, so that they run beside the
-    top-n: 129.6-132.0 vs 129.9-130.3 µs at B=16, 61.1 vs 58.6-58.8 at B=4 (this launch took 14.7 µs,
-    the selection's alone 20.4: the window's bytes only moved from one launch to the other); or as a
-    launch of their own on a second stream, beside the scoring and top-n: 64k B=16 117.6 vs
-    118.0-118.2 µs, 128k B=16 184.9-185.7 vs 186.1-186.9, but B=1 34.0-34.1 vs 31.0-31.6 and B=4
-    56.6-57.5 vs 51.7-51.8 (window chunks of 1 or 2 tiles there: slower at every B). Also slower: the top-n
-    spread over many programs per row, each ranking 16-64 of its blocks against every causal block of the row
-    (rank = how many beat it) and writing the selected ones to slot (forced + rank), the merge sorting the list:
-    H100, graph-replayed, read flush, best setting (16 blocks a program, 4 warps): 64k B=1 30.6-30.8 vs 28.9-29.0
-    us, B=2 39.2-39.4 vs 35.3-35.6, B=4 55.6-55.8 vs 47.5, B=8 82.7 vs 66.3-66.9, B=16 141.5-142.7 vs 105.6-106.8;
-    128k B=1 45.2-45.4 vs 36.3-36.4; only 16k B=1 gained, 22.9-23.2 vs 24.0.
-    """
+    scores among the other causal blocks (``_topn_keys``), ties to the lower index; written ascending,
+    −1 padded. The causal blocks 0..t//l' are ranked CH at a time, a bitonic top-KP (``tl.topk``) of each
+    chunk, kept with the best so far by a top-KP of the 2·KP: a cache with room to grow ranks only the
+    chunks its tokens reach. The picks and the forced blocks (the distinct ones) are then sorted
+    ascending, a sort of 2·KP."""
+    # the position is written by work that ended two launches back or more (``_grid_dependency``)
+    b = tl.program_id(0) // G
+    t = tl.load(POS + b)
     _grid_dependency(GDC)
     bg = tl.program_id(0)
-    b = bg // G
     g = bg % G
-    t = tl.load(POS + b)
     cur = t // BLOCK
-    # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks' KP
-    NBJ: tl.constexpr = NBP if NBP > 4 else 4
-    KP: tl.constexpr = NSP if NSP < NBJ else NBJ
-    j = tl.arange(0, NBJ)
-    score = tl.load(SCORE + bg * NBP + j, mask=j < NBP, other=0.0)
-    # a NaN score (from inputs that overflow) ranks lowest: every free block's key stays above NONE, so
-    # the picks below are always real blocks, never an empty key's (block 2^31 − 1)
-    score = tl.where(score == score, score, float("-inf"))
-    free = (j <= cur) & (j != 0) & (j != cur) & (j != cur - 1)          # causal and not forced
+    KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the blocks
     n_take = tl.minimum(cur + 1, N_SEL)
     BIG: tl.constexpr = 2147483647
-    NONE: tl.constexpr = -9223372036854775807 - 1
-    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
-    bits = bits ^ ((bits >> 31) & BIG)
-    key = tl.where(free, block_key(bits, j), NONE)
-    top = tl.topk(key, KP)                                             # [KP], best first
+    top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    for j0 in tl.range(0, cur + 1, CH):
+        key = _topn_keys(SCORE, bg, cur, j0, NBP, CH, KP)
+        if j0 == 0:
+            top = key
+        else:
+            top = tl.topk(tl.reshape(tl.join(top, key), [2 * KP]), KP)
     n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
     s = tl.arange(0, KP)
     # there are at least n_take − n_forced free causal blocks: every pick below is a real block
@@ -712,10 +716,10 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi: tl.constexpr, CP: tl.constexpr,
+def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi, CP: tl.constexpr,
                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
     """Chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]: (m [CP, BH], l [CP, BH],
-    acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: hi − lo rounded up to a power of two."""
+    acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: at least hi − lo, a power of two."""
     ch = lo + tl.arange(0, CP)
     ok = ch < hi
     out = (bg * NC + ch).to(tl.int64)
@@ -758,12 +762,13 @@ def _gate_col(GATE, row, br: tl.constexpr, ok, HAS_GATE: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
+def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B, POS, n_sm,
                   G: tl.constexpr, H_PER_G: tl.constexpr, DV: tl.constexpr, C_CMP: tl.constexpr,
                   C_WIN: tl.constexpr, NC: tl.constexpr, CP_CMP: tl.constexpr, CP_WIN: tl.constexpr,
                   CP_SEL: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr,
-                  GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False,
+                  CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
+                  HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False,
                   CMP_MERGE_EARLY: tl.constexpr = False):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
@@ -791,7 +796,10 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B,
     if not CMP_EARLY:
         _grid_dependency(GDC)
     if DO_CMP:
-        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, C_CMP, CP_CMP, NC, BH, BDV)
+        # the compressed chunks in use at this position (``_cmp_split``); the rest were not written
+        _, _, _, n_ch = _cmp_split(tl.load(POS + b), tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BNC, CMP_TILES,
+                                   HALVINGS, C_CMP)
+        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, n_ch, CP_CMP, NC, BH, BDV)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
         if CMP_MERGE_EARLY:
             # merged and stored before the wait as well: no launch of the step before this one reads what it writes
@@ -1011,9 +1019,11 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     ws = ws or Workspace(p, q.dtype, q.device)
     want = set(branches)
     pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
-    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, CMP_LEN=cfg.cmp_len,
-                  CMP_STRIDE=cfg.cmp_stride, N_SEL=cfg.n_selected, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
-                  CMP_TILES=p.cmp_tiles, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles,
+    # how the compressed launch splits the tokens held (``_cmp_split``): its kernel, the scorer and the merge agree
+    split = dict(CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride, CMP_TILES=p.cmp_tiles,
+                 HALVINGS=p.cmp_tiles.bit_length() - 1, C_CMP=p.C_CMP)
+    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, N_SEL=cfg.n_selected, C_WIN=p.C_WIN,
+                  NC=p.NC, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, **split,
                   NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
@@ -1033,39 +1043,51 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
+    n_sm = sm_count(q.device)
     BG = B * p.G
     if want & {"cmp", "sel"}:
-        _partial_kernel[(BG, p.C_CMP)](*args, 0, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
+        _partial_kernel[(BG, p.C_CMP)](*args, 0, n_sm, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
                                       APPEND=fused, SUM_RESHAPE=p.sums_by_reshape, **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
-        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, H_PER_G=p.h,
-                                        BH=p.BH, C_CMP=p.C_CMP, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
-                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ,
-                                        OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **pdl)
-        _topn_kernel[(BG,)](ws.score, pos, ws.idx, ws.idx.stride(0), ws.idx.stride(1), G=p.G,
-                            BLOCK=cfg.block_size, N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected),
-                            NBP=NBP, num_warps=SELECT_WARPS, **topn_pdl)
+        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, pos, n_sm, G=p.G, H_PER_G=p.h,
+                                        BH=p.BH, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
+                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, BLOCK=cfg.block_size,
+                                        BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
+                                        **pdl)
+        top_n(ws.score, pos, ws.idx, cfg, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
+        _partial_kernel[(BG, hi - lo)](*args, lo, n_sm, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
                                        WIN_NOWAIT=nowait, **common)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
-                         ws.mix, ws.reads, B, G=p.G, H_PER_G=p.h, DV=p.d_v, C_CMP=p.C_CMP, C_WIN=p.C_WIN, NC=p.NC,
+                         ws.mix, ws.reads, B, pos, n_sm, G=p.G, H_PER_G=p.h, DV=p.d_v, C_WIN=p.C_WIN, NC=p.NC,
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS,
-                         CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3, **pdl)
+                         BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3, **split, **pdl)
     for br in branches:
         dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}
     return StepOut({br: ws.out[n] for br, n in i.items()}, {br: ws.reads[n] for br, n in i.items()},
                    ws.idx if "sel" in want else None, ws.mix if gate is not None else None)
+
+
+def top_n(score, pos, idx, cfg: NSAConfig, *, GDC: int = 0, launch_pdl: bool = False) -> None:
+    """The step's top-n (``_topn_kernel``): score [B·G, NBP] fp32 block scores (NBP a power of two),
+    pos [B] int32 -> idx [B, G, n] int32, the blocks selected for the token at pos, ascending, −1 padded."""
+    BG, NBP = score.shape
+    nsp = triton.next_power_of_2(cfg.n_selected)
+    # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks; a chunk holds n picks
+    ch = min(max(NBP, 4), max(TOPN_CHUNK, nsp))
+    _topn_kernel[(BG,)](score, pos, idx, idx.stride(0), idx.stride(1), G=idx.shape[1], BLOCK=cfg.block_size,
+                        N_SEL=cfg.n_selected, NSP=nsp, NBP=NBP, CH=ch,
+                        num_warps=SELECT_WARPS, GDC=GDC, launch_pdl=launch_pdl)
 
 
 class DecodeStep:

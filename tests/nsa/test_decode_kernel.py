@@ -112,6 +112,32 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
+@pytest.mark.parametrize("t", [5, 47, 150, 300])
+def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
+    """A cache allocated for more tokens than it holds (as a generation loop allocates it: capacity
+    t + 1 + 64, 2·(t + 1), 4·(t + 1)) gives the step of a cache of exactly t + 1 tokens: the oracle's
+    blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
+    the compressed launch is split by the tokens held and the scorer and top-n rank only the causal
+    blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens and a top-n over chunks
+    of 4 blocks, so that the split and the chunks vary."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "CMP_TILE", 16)
+    monkeypatch.setattr(decode, "TOPN_CHUNK", 4)
+    cfg = CFG
+    torch.manual_seed(8)
+    m = NSAAttention(cfg).to(DEV)
+    x = torch.randn(2, t + 1, cfg.d_model, device=DEV)
+    with torch.no_grad():
+        q, k, v = m.project(x)
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        for cap in (t + 1, t + 65, 2 * (t + 1), 4 * (t + 1)):
+            cache = DecodeCache(cfg, 2, cap, device=DEV)
+            cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+            step = decode.DecodeStep(cfg, cache)
+            assert step.plan.nbp >= cap // cfg.block_size
+            _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32)
+
+
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
 def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer, tiles):
     """branches=(b,): the same output and reads as the full step, and only b noted as run."""
@@ -132,16 +158,16 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
 @pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (8, 4), (4, 16), (2, 4)],
                          ids=["64-blocks-n5", "128-blocks-n16", "8-blocks-n4", "4-blocks-n16", "2-blocks-n4"])
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
-def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
+@pytest.mark.parametrize("chunk", [1 << 20, 4], ids=["one-chunk", "chunks-of-4"])
+def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypatch, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
     oracle's ``select_blocks`` on the same scores, at positions all through the cache, caches of fewer
     blocks than n included (4 blocks with n = 16, 2 with n = 4: every slot past the chosen −1). (The
     interpreter's argmax always breaks ties to the lower index; on a GPU the kernel's own rule is
     what this checks.)"""
-    import triton
-
-    from kernels.decode import _topn_kernel
+    from kernels import decode
+    monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = tiny(block_size=16, n_selected=n_sel)
     NB, G = nb, 2
     torch.manual_seed(5)
@@ -150,20 +176,19 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, nb, n_sel):
     for t in range(0, NB * cfg.block_size, 7 if NB <= 64 else 97):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
-        _topn_kernel[(G,)](s.to(DEV).reshape(G, NB), pos, idx, idx.stride(0), idx.stride(1), G=G, BLOCK=cfg.block_size,
-                           N_SEL=cfg.n_selected, NSP=triton.next_power_of_2(cfg.n_selected), NBP=NB)
+        decode.top_n(s.to(DEV).reshape(G, NB), pos, idx, cfg)
         ref = reference.select_blocks(s[:, None], torch.tensor([t]), cfg)[:, 0]
         assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
 
 
 @pytest.mark.parametrize("nb,n_sel", [(64, 16), (8, 4)], ids=["64-blocks-n16", "8-blocks-n4"])
-def test_top_n_writes_real_blocks_whatever_the_scores(nb, n_sel):
+@pytest.mark.parametrize("chunk", [1 << 20, 4], ids=["one-chunk", "chunks-of-4"])
+def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_sel):
     """The step's top-n on scores holding NaN, +inf and -inf (what inputs that overflow give): at every
     position it still writes min(n, causal blocks) distinct causal blocks, ascending, block 0 and the local
     blocks among them, the rest -1 — never a block past the query (a NaN ranks lowest)."""
-    import triton
-
-    from kernels.decode import _topn_kernel
+    from kernels import decode
+    monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = tiny(block_size=16, n_selected=n_sel)
     NB, G = nb, 2
     torch.manual_seed(6)
@@ -173,8 +198,7 @@ def test_top_n_writes_real_blocks_whatever_the_scores(nb, n_sel):
     for t in range(0, NB * cfg.block_size, 5):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, n_sel), 99, dtype=torch.int32, device=DEV)
-        _topn_kernel[(G,)](s.to(DEV), pos, idx, idx.stride(0), idx.stride(1), G=G, BLOCK=cfg.block_size,
-                           N_SEL=n_sel, NSP=triton.next_power_of_2(n_sel), NBP=NB)
+        decode.top_n(s.to(DEV), pos, idx, cfg)
         cur, take = t // cfg.block_size, min(n_sel, t // cfg.block_size + 1)
         for row in idx[0].cpu().tolist():
             blocks = row[:take]
