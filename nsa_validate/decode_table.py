@@ -13,8 +13,13 @@ from nsa_validate import figures, roofline
 COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, level, dtype
     "B": "batch rows (one new token each)",
     "S": "context: tokens in the cache including the new one (t = S−1)",
+    "capacity": "rows the bench's cache is allocated for (suites.decode.capacity × S): room to grow, as a "
+                "generation loop allocates it; every step figure but step_full_ms is on this cache",
     "timer": "cuda_graph (replays of a captured step), cuda_events (eager) or cpu (perf_counter: noise)",
     "step_ms": "median time of the whole NSA step (graph replay where a GPU is present)",
+    "step_full_ms": "the same step on the same tokens in a full cache (capacity = S), timed the same way",
+    "headroom_slowdown_pct": "step_ms / step_full_ms − 1, %: what the spare rows cost (the case fails above "
+                             "suites.decode.headroom_margin)",
     "step_p20_ms": "20th percentile of the step samples", "step_p80_ms": "80th percentile",
     "step_ws_min_ms": "the fastest of the graph-replayed step's medians over `workspaces` steps, each with its own "
                       "workspace (GPU; the first is step_ms's)",
@@ -44,6 +49,12 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "dense_flash_attn_layer_ms": "the same with dense_flash_attn_ms's attention (same-bytes head dim for "
                                  "the projections too)",
     "layer_speedup_vs_dense": "the faster dense layer step / layer_ms: the decode speedup a user of the layer sees",
+    "loop_ms": "NSAAttention.decode called token after token (the README's usage; suites.decode.loop_tokens "
+               "tokens from position S−1, compressed spans completing on the way), wall clock per token",
+    "loop_events_ms": "the same loop, CUDA events around it, per token (GPU)",
+    "loop_host_ms": "the host's own cost per call: the same calls queued behind a GPU sleep (GPU)",
+    "loop_gpu_share": "layer_ms / loop_ms: the share of a token's wall time the GPU's work accounts for (GPU)",
+    "loop_host_bound": "loop_ms > 1.5 × layer_ms: the host, not the GPU, sets the loop's pace",
     "tokens_read": "tokens per KV head the step read (cmp + sel + win), from the kernel's own counters",
     "bytes": "tokens_read × (d_k + d_v) × bytes/elem × G × B",
     "achieved_gbs": "bytes / step_ms", "pct_copy_bw": "achieved / measured device copy bandwidth, %",
@@ -72,7 +83,8 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
     records = df.to_dict("records")
     for r in records:
         extra.row(TABLE, {
-            "B": r["B"], "S": r["S"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
+            "B": r["B"], "S": r["S"], "capacity": r["capacity"], "timer": r["timer"], "NSA step": _f(r["step_ms"]),
+            "full cache": _f(r["step_full_ms"]), "headroom cost %": _f(r["headroom_slowdown_pct"], 1),
             "p20-p80": f"{_f(r['step_p20_ms'])}-{_f(r['step_p80_ms'])}",
             "workspaces": (f"{_f(r['step_ws_min_ms'])}-{_f(r['step_ws_max_ms'])} ({int(r['workspaces'])})"
                            if pd.notna(r["workspaces"]) and r["workspaces"] > 0 else ""),   # none: a row without them
@@ -86,6 +98,9 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
             "dense layer step": _f(min((v for v in (r["dense_sdpa_layer_ms"], r["dense_flash_attn_layer_ms"])
                                         if v is not None and not math.isnan(v)), default=None)),
             "x dense layer": _f(r["layer_speedup_vs_dense"], 2),
+            "m.decode loop / token": _f(r["loop_ms"]), "host / call": _f(r["loop_host_ms"]),
+            "GPU share": _f(r["loop_gpu_share"], 2),
+            "loop": "host-bound" if r["loop_host_bound"] else ("GPU-bound" if pd.notna(r["loop_gpu_share"]) else ""),
             "tokens": r["tokens_read"], "GB/s": _f(r["achieved_gbs"], 0),
             "% copy bw": _f(r["pct_copy_bw"], 1), "% spec bw": _f(r["pct_spec_bw"], 1),
             "launch-bound": ("yes: " + r["launch_bound_why"]) if r["launch_bound"] else "no"})
@@ -119,11 +134,16 @@ def summarise(cases, ctx, extra) -> None:
     df = finish(rows, extra, notes, meta=ctx.run_meta(dtype=cfg.dtype))
     top = df[df.B == df.B.max()].sort_values("S").iloc[-1]
     noise = " (CPU timer: host time, noise)" if top.timer == "cpu" else ""
-    extra.figure("decode step (B, S)", f"{_f(top.step_ms)} ms ({int(top.B)}, {int(top.S)}){noise}")
+    extra.figure("decode step (B, S)", f"{_f(top.step_ms)} ms ({int(top.B)}, {int(top.S)}), cache of "
+                                       f"{int(top.capacity)} rows; full cache {_f(top.step_full_ms)} ms{noise}")
     extra.figure("decode % copy bw", _f(top.pct_copy_bw, 1))
     extra.figure("decode x dense", _f(top.speedup_vs_dense, 2))
     if top.layer_ms is not None and not math.isnan(top.layer_ms):
         extra.figure("decode layer step, x dense layer", f"{_f(top.layer_ms)} ms, {_f(top.layer_speedup_vs_dense, 2)}x")
+    for _, r in df[df.B == df.B.min()].sort_values("S").tail(1).iterrows():
+        host = f", host {_f(r.loop_host_ms)} ms a call" if pd.notna(r.loop_host_ms) else ""
+        bound = " (host-bound)" if r.loop_host_bound else ""
+        extra.figure("decode m.decode loop (B, S)", f"{_f(r.loop_ms)} ms a token ({int(r.B)}, {int(r.S)}){host}{bound}")
 
 
 DRAM_TABLE = "decode step: DRAM bytes counted by the GPU (ncu) vs the formula"

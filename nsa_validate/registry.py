@@ -151,6 +151,22 @@ class DecodeCfg:
     # the bench's graph-replayed step is also timed on this many steps in all, each with its own workspace (where
     # its buffers land moved the same step by up to 3% on an H100); the report gives their medians' range
     workspaces: int = 3
+    # the caches' capacity as a multiple of their context ("2x", "1.5x"; "1x": full caches): a generation loop
+    # allocates its cache for the longest sequence it may reach. The bench also times the step on a full cache
+    capacity: str = "2x"
+    # the step on the cache with room to grow may be this much slower than on the full one, at most
+    headroom_margin: float = 0.05
+    # the decode loop users write: NSAAttention.decode called token after token, this many tokens a loop
+    loop_tokens: int = 256
+
+    @property
+    def capacity_factor(self) -> float:
+        """``capacity`` as a number (2.0 for "2x")."""
+        return float(self.capacity.removesuffix("x")) if self.capacity.endswith("x") else float("nan")
+
+    def capacity_for(self, S: int) -> int:
+        """The bench's cache capacity for a context of S tokens."""
+        return max(S, round(S * self.capacity_factor))
 
     def check(self, w: str) -> None:
         for name in ("contexts", "batches", "effect_contexts"):
@@ -158,6 +174,15 @@ class DecodeCfg:
         positive_list(f"{w}.bench_contexts", self.bench_contexts or [])
         positive(f"{w}.workspaces", self.workspaces)
         dtypes(f"{w}.dtype", [self.dtype])
+        try:
+            factor = self.capacity_factor
+        except ValueError:
+            factor = None
+        if factor is None or not factor >= 1:
+            bad(f"{w}.capacity", "a multiple of the context, at least 1x, written as 2x or 1.5x", self.capacity)
+        if not 0 <= self.headroom_margin:
+            bad(f"{w}.headroom_margin", "a fraction >= 0", self.headroom_margin)
+        positive(f"{w}.loop_tokens", self.loop_tokens)
 
 
 @dataclass

@@ -295,3 +295,52 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
     g.replay()
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in events], warmed
+
+
+@dataclass
+class LoopTiming:
+    """A call made token after token, as user code makes it (``loop``): ms per call."""
+    timer: str                       # "cuda_events" | "cpu"
+    calls: int
+    wall_ms: float                   # host clock over the whole loop (one sync at its end) / calls
+    events_ms: float | None          # CUDA events around the whole loop / calls (GPU)
+    host_ms: float | None            # the host's own cost: the calls queued behind a GPU sleep (GPU)
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmup: int = 3) -> LoopTiming:
+    """Time ``fn(i)`` for i = 0 .. calls−1 back to back, with nothing between the calls: what a decode
+    loop in user code gets per token. The wall clock over the loop (synchronised once, at its end)
+    and, on a GPU, CUDA events around it; then the host's own cost per call, the same calls made while
+    the GPU sleeps long enough to hold all of them in its queue (so the host never waits on the GPU;
+    ``fn`` must not sync). Where wall ≈ host, the host is the limit; where wall ≈ the GPU work of one
+    call, the GPU is. ``warmup`` calls first (i = 0 ..), the loop's calls after them; no L2 flush:
+    a loop's calls follow one another."""
+    for i in range(warmup):
+        fn(i)
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + calls):
+            fn(i)
+        return LoopTiming("cpu", calls, (time.perf_counter() - t0) * 1e3 / calls, None, None)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    a.record()
+    for i in range(warmup, warmup + calls):
+        fn(i)
+    b.record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / calls
+    events = a.elapsed_time(b) / calls
+    # the host's cost: the GPU held asleep for longer than the host takes to issue every call (twice the wall
+    # time measured above, the whole loop's), then the same calls timed on the host alone
+    torch.cuda._sleep(int(2 * wall * calls * _sleep_cycles_per_ms()))
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + calls):
+        fn(i)
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return LoopTiming("cuda_events", calls, wall, events, host)

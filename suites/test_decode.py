@@ -8,6 +8,10 @@ blocks; the reads it counted must equal the formula, and at the profile's ``effe
 they are also measured by their effect on the output (``suites.read_effect``: each token the formula
 says is read moves it; every other one, NaN, does not).
 
+Caches are allocated with room to grow (``suites.decode.capacity``, 2x the context by default: what a
+generation loop allocates), NaN past their tokens; the parity cases, the bench and the Nsight Compute
+probe all run on such caches.
+
 Bench (``bench[B-S]``, docs/method.md): the step is ``kernels.decode.DecodeStep`` (append the new token's
 K/V, select its blocks, the three branches, merge, gate mix), captured in a CUDA graph and replayed
 (``timing.bench(graph=True)``), and also run eagerly; each branch alone (only its work: selection
@@ -24,6 +28,12 @@ suite's summary (``nsa_validate.decode_table.summarise``, run by the harness aft
 labels launch-bound rows (eager/graph > 1.5, or a curve flat in S: ``nsa_validate.roofline``),
 writes ``decode.csv`` (columns in ``decode_table.COLUMNS``), two PNG plots, the report table and
 the headline figures.
+
+The bench also times the step on a full cache of the same tokens (capacity = S) and fails where the
+cache with room to grow is more than ``headroom_margin`` slower; and the loop users write,
+``NSAAttention.decode`` token after token (``loop_tokens`` of them from position S−1: wall clock,
+CUDA events, the host's own cost per call, ``decode_bench.decode_loop``), beside the graph-replayed
+layer step, labelled host-bound where it takes more than 1.5x that step's GPU time.
 
 On a CPU the kernels run under the Triton interpreter at tiny sizes and the timer is
 ``time.perf_counter`` (rows say ``timer=cpu``): those figures only prove the plumbing.
@@ -63,9 +73,10 @@ def _require():
     return decode
 
 
-def _cache(B, S, seed):
-    """A DecodeCache of S tokens and the new token's tensors (``nsa_validate.bench.decode``)."""
-    return decode_bench.make_inputs(LAYER, B, S, DTYPE, DEV, seed)
+def _cache(B, S, seed, capacity=None):
+    """A DecodeCache of S tokens and the new token's tensors (``nsa_validate.bench.decode``), allocated for
+    the profile's ``capacity`` (room to grow, as a generation loop allocates it; NaN past the tokens)."""
+    return decode_bench.make_inputs(LAYER, B, S, DTYPE, DEV, seed, capacity=capacity or CFG.capacity_for(S))
 
 
 # -- parity ---------------------------------------------------------------------------------
@@ -80,6 +91,7 @@ def test_parity(B, S, record):
     decode = _require()
     cache, new = _cache(B, S, seed=S)
     step = decode.DecodeStep(LAYER, cache)
+    record.metrics["capacity"] = cache.max_len
     record.metrics["blocks_per_tile"] = step.plan.bpt
     record.metrics["pdl_mode"] = step.plan.gdc          # 0 none, 2 early trigger, 3 late (kernels.decode._gdc)
     r = _step(step, new, record)
@@ -109,7 +121,7 @@ def test_wide_cache(B, S, record):
     free = torch.cuda.mem_get_info()[0] if GPU else None
     if free is not None and free < 1.2 * need:
         pytest.skip(f"needs ~{1.2 * need / 2**30:.1f} GiB of free device memory, {free / 2**30:.1f} GiB free")
-    cache, new = _cache(B, S, seed=S)
+    cache, new = _cache(B, S, seed=S, capacity=S)        # a full cache: the offsets, not the headroom, are the point
     record.metrics["k_cache_elements"] = cache.k.numel()
     r = _step(decode.DecodeStep(LAYER, cache), new, record)
     for b in (0, B - 1):
@@ -237,15 +249,17 @@ def bench_setup(B, S):
     from kernels import fa2
     from kernels.decode_layer import LayerDecodeStep
     cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
+    full, _ = _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S)       # the same tokens, no room to grow
     m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
     s = SimpleNamespace(cache=cache, new=new, step=decode.DecodeStep(LAYER, cache), m=m,
+                        full_step=decode.DecodeStep(LAYER, full),
                         alone={br: decode.DecodeStep(LAYER, cache, branches=(br,)) for br in ("cmp", "sel", "win")},
                         layer=LayerDecodeStep(m, cache), x=torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE),
-                        dense=decode_bench.dense_decodes(LAYER, cache, DTYPE, DEV, flash_attn=fa2.unavailable(
+                        dense=decode_bench.dense_decodes(LAYER, full, DTYPE, DEV, flash_attn=fa2.unavailable(
                             "flash_attn", device=DEV, dtype=DTYPE) is None),
                         placed=[decode.DecodeStep(LAYER, cache) for _ in range(CFG.workspaces - 1)] if GPU else [])
     with torch.no_grad():
-        for st in (s.step, *s.alone.values(), *s.placed):
+        for st in (s.step, s.full_step, *s.alone.values(), *s.placed):
             st(**new)
         s.layer.seek(S - 1)
         s.layer(s.x)
@@ -262,14 +276,17 @@ def test_bench(B, S, record, bench_setup):
         r = step(**new)
     for br in ("cmp", "sel", "win"):
         record.expect_ran(log, "decode", br, "triton")
-    reads = {br: r.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
     want = LAYER.expected_reads(S - 1)
-    assert reads == {br: [want[br]] for br in reads}, f"measured reads {reads} != formula {want}"
+    for what, res in (("", r), (" (full cache)", bench_setup.full_step(**new))):
+        reads = {br: res.reads[br].unique().tolist() for br in ("cmp", "sel", "win")}
+        assert reads == {br: [want[br]] for br in reads}, f"measured reads{what} {reads} != formula {want}"
     tokens = sum(want.values())
     # the whole layer's step is replayed at position S−1 every time (seek is part of the captured work)
     t, placed = {}, []                   # placed: the graph-replayed step's median per workspace
     with torch.no_grad():
         t["eager"] = _time(lambda: step(**new), graph=False)
+        # the same tokens in a cache without room to grow: the step must not depend on the spare rows
+        t["full"] = _time(lambda: bench_setup.full_step(**new), graph=True)
         if GPU:
             t["graph"] = _time(lambda: step(**new), graph=True)
             placed.append(t["graph"].median_ms)
@@ -298,13 +315,15 @@ def test_bench(B, S, record, bench_setup):
     kv = lambda n, dv=LAYER.d_v: roofline.bytes_read(n, LAYER.d_k, dv, DTYPE.itemsize, LAYER.n_kv_heads, B)  # noqa: E731
     nbytes = kv(tokens)
     weights = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
-    least = {"eager": nbytes, "graph": nbytes, "layer": nbytes + weights(m), "floor": 0,
+    least = {"eager": nbytes, "graph": nbytes, "full": nbytes, "layer": nbytes + weights(m), "floor": 0,
              **{f"graph_ws{i}": nbytes for i in range(1, len(bench_setup.placed) + 1)},
              **{br: kv(want[br]) for br in ("cmp", "sel", "win")},
              **{f"dense_{k}": kv(S, LAYER.d_k if k.endswith("_padded") else LAYER.d_v) for k in dense},
              **{f"dense_{k}_layer": kv(S) + weights(dd.proj) for k, dd in dense.items()}}
     for name, tm in t.items():
         record.timing(name, tm, nbytes=least[name])
+    loop = _user_loop(bench_setup, S)
+    record.metrics["loop"] = loop.summary()
     main = t.get("graph", t["eager"])
     gbs = roofline.achieved_gbs(nbytes, main.median_ms)
     # the headline compares with dense decodes that read the dense layer's bytes, never the padded one
@@ -312,7 +331,10 @@ def test_bench(B, S, record, bench_setup):
     dense_ms = min(t[k].median_ms for k in ("dense_sdpa", "dense_flash_attn") if k in t)
     dense_layer_ms = min(t[k].median_ms for k in ("dense_sdpa_layer", "dense_flash_attn_layer") if k in t)
     spec = CTX.expect.peak_bandwidth_gbs
-    row = {"B": B, "S": S, "timer": main.timer, "step_ms": main.median_ms, "step_p20_ms": main.p20_ms,
+    layer_ms = t["layer"].median_ms
+    row = {"B": B, "S": S, "capacity": bench_setup.cache.max_len, "timer": main.timer, "step_ms": main.median_ms,
+           "step_full_ms": t["full"].median_ms, "headroom_slowdown_pct": 100 * (main.median_ms / t["full"].median_ms - 1),
+           "step_p20_ms": main.p20_ms,
            "step_p80_ms": main.p80_ms, "step_ws_min_ms": min(placed, default=None),
            "step_ws_max_ms": max(placed, default=None), "workspaces": len(placed),
            "eager_ms": t["eager"].median_ms, "graph_ms": ms("graph"), "floor_ms": ms("floor"),
@@ -326,13 +348,33 @@ def test_bench(B, S, record, bench_setup):
            "layer_ms": t["layer"].median_ms, "layer_p20_ms": t["layer"].p20_ms, "layer_p80_ms": t["layer"].p80_ms,
            "dense_sdpa_layer_ms": ms("dense_sdpa_layer"), "dense_flash_attn_layer_ms": ms("dense_flash_attn_layer"),
            "layer_speedup_vs_dense": dense_layer_ms / t["layer"].median_ms,
+           "loop_ms": loop.wall_ms, "loop_events_ms": loop.events_ms, "loop_host_ms": loop.host_ms,
+           "loop_gpu_share": layer_ms / loop.wall_ms if GPU else None,
+           "loop_host_bound": bool(GPU and loop.wall_ms > HOST_BOUND * layer_ms),
            "tokens_read": tokens, "bytes": nbytes, "achieved_gbs": gbs,
            "pct_copy_bw": 100 * gbs / copy_gbs if copy_gbs else None,
            "pct_spec_bw": 100 * gbs / spec if spec and GPU else None,
            "copy_gbs": copy_gbs, "gpu": CTX.device_name, "config": CONFIG_LABEL}
     record.metrics["row"] = row          # the suite's summary (decode_table.summarise) tabulates the rows
+    if GPU:
+        assert row["headroom_slowdown_pct"] <= 100 * CFG.headroom_margin, (
+            f"B={B} S={S}: the step on a cache of capacity {row['capacity']} took {main.median_ms * 1e3:.1f} us, "
+            f"{row['headroom_slowdown_pct']:.1f}% slower than on a full cache ({t['full'].median_ms * 1e3:.1f} us); "
+            f"at most {100 * CFG.headroom_margin:.0f}% allowed (suites.decode.headroom_margin)")
     if (B, S) == CHECKED_AT and GPU:
         _check_expectations(row)
+
+
+HOST_BOUND = 1.5       # a loop taking this many times the GPU's work per token is labelled host-bound
+
+
+def _user_loop(s, S: int):
+    """The loop users write (``decode_bench.decode_loop``): ``NSAAttention.decode`` token after token from
+    position S−1, ``loop_tokens`` of them, in the bench's cache where it has room, else in one made for it."""
+    B, need = s.cache.k.shape[0], 3 + (2 if GPU else 1) * CFG.loop_tokens
+    cache = s.cache if s.cache.max_len >= S - 1 + need else \
+        _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S - 1 + need)[0]
+    return decode_bench.decode_loop(s.m, cache, S - 1, CFG.loop_tokens, DEV)
 
 
 CONFIG_LABEL = (f"paper config G={LAYER.n_kv_heads}, h={LAYER.heads_per_group}, d_k={LAYER.d_k}, d_v={LAYER.d_v}"
@@ -396,7 +438,8 @@ def test_dram_reads(record, extra):
                for br in ("cmp", "sel", "win")}
     try:
         df = ncu.dram_bytes([sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S),
-                             "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny"])
+                             "--dtype", CFG.dtype, "--config", "paper" if CFG.paper_config else "tiny",
+                             "--capacity", str(CFG.capacity_for(S))])
     except ncu.NoCounterAccess as e:
         pytest.skip(str(e))
     launches = decode.LAUNCHES

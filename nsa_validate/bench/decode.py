@@ -26,14 +26,17 @@ def layer_config(paper: bool) -> NSAConfig:
     return PAPER if paper else tiny(block_size=16, n_selected=4, window=64)
 
 
-def make_inputs(cfg: NSAConfig, B: int, S: int, dtype: torch.dtype, device, seed: int):
-    """A DecodeCache of capacity S holding tokens 0..S−2 (random K/V and compressed K/V; the rest
-    NaN), and the new token's tensors {q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v],
-    gate [B, H, 3], pos [B] int32 = S−1}."""
+def make_inputs(cfg: NSAConfig, B: int, S: int, dtype: torch.dtype, device, seed: int, capacity: int | None = None):
+    """A DecodeCache of ``capacity`` tokens (default S: full once the new token is in) holding tokens
+    0..S−2 (random K/V and compressed K/V; every other row NaN), and the new token's tensors
+    {q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v], gate [B, H, 3], pos [B] int32 = S−1}. The
+    same seed gives the same tokens whatever the capacity."""
     from nsa_core import DecodeCache
+    if capacity is not None and capacity < S:
+        raise ValueError(f"capacity {capacity} < context {S}")
     g = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device=device, generator=g).to(dtype)  # noqa: E731
-    c = DecodeCache(cfg, B, S, device=device, dtype=dtype)
+    c = DecodeCache(cfg, B, capacity or S, device=device, dtype=dtype)
     t = S - 1
     G, N = cfg.n_kv_heads, cfg.n_cmp(t)
     c.k[:, :t], c.v[:, :t] = rnd(B, t, G, cfg.d_k), rnd(B, t, G, cfg.d_v)
@@ -139,6 +142,23 @@ def dense_decodes(cfg: NSAConfig, cache, dtype, device, *, flash_attn: bool) -> 
     return out
 
 
+def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
+    """``NSAAttention.decode`` called token after token from position t, as the README's usage calls it
+    (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
+    the loop is made twice: once timed by the clock and events, once for the host's cost). New random
+    tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. -> timing.LoopTiming."""
+    from nsa_validate import timing
+    B, D = cache.k.shape[0], m.cfg.d_model
+    n = warmup + (2 if torch.device(device).type == "cuda" else 1) * calls
+    if t + n > cache.max_len:
+        raise ValueError(f"the decode loop needs {t + n} rows, the cache has {cache.max_len}")
+    xs = torch.randn(n, B, 1, D, device=device).to(cache.k.dtype)
+    cache.length = t
+    with torch.no_grad():
+        return timing.loop(lambda i: m.decode(xs[i], cache), calls, device=torch.device(device).type,
+                           warmup=warmup)
+
+
 def probe_seed(B: int, S: int) -> int:
     return B * 7919 + S
 
@@ -149,10 +169,12 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, required=True)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--config", default="paper", choices=["paper", "tiny"])
+    ap.add_argument("--capacity", type=int, default=None, help="the cache's capacity (default: the context)")
     a = ap.parse_args(argv)
     from kernels import decode
     cfg = layer_config(a.config == "paper")
-    cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], "cuda", probe_seed(a.batch, a.context))
+    cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], "cuda", probe_seed(a.batch, a.context),
+                             capacity=a.capacity)
     step = decode.DecodeStep(cfg, cache)
     with torch.no_grad():
         step(**new)                       # compiles the kernels outside the profiled region
