@@ -27,6 +27,29 @@ def test_cpu_bench_is_labelled_cpu_and_respects_reps():
     assert t.timer == "cpu" and len(t.samples_ms) == 7 and len(calls) == 2 + 7     # no sizing call
 
 
+def test_cpu_loop_calls_token_after_token_and_is_labelled_cpu():
+    """``loop``: warm-up calls first, then the timed ones, each with its own index; on a CPU one pass,
+    the host clock only."""
+    seen = []
+    t = timing.loop(lambda i: (seen.append(i), time.sleep(1e-3)), 5, device="cpu", warmup=2)
+    assert seen == list(range(7)) and t.timer == "cpu" and t.calls == 5
+    assert t.wall_ms >= 1.0 and t.events_ms is None and t.host_ms is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
+def test_gpu_loop_tells_the_hosts_cost_from_the_gpus_work():
+    """``loop`` on a GPU: a call whose GPU work (~1 ms of sleep) outlasts its host work reads ~1 ms a
+    call by the wall clock and the events, while its host cost is far below; a call with 1 ms of
+    Python and little GPU work reads ~1 ms by all three."""
+    from nsa_validate.timing import _sleep_cycles_per_ms
+    cycles = int(_sleep_cycles_per_ms())
+    x = torch.zeros(1, device="cuda")
+    gpu = timing.loop(lambda i: torch.cuda._sleep(cycles), 20, device="cuda")
+    assert gpu.wall_ms > 0.8 and gpu.events_ms > 0.8 and gpu.host_ms < 0.3, gpu
+    host = timing.loop(lambda i: (x.add_(1), time.sleep(1e-3)), 20, device="cuda")
+    assert host.wall_ms > 0.9 and host.host_ms > 0.9, host
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
 def test_gpu_warmup_runs_for_warmup_ms_of_gpu_time():
     """On a GPU the warm-up runs the timed loop's iteration (flush, call) until it has taken
