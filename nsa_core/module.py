@@ -288,11 +288,10 @@ class NSAAttention(nn.Module):
         branch's kernels alone and the rest on the host (not capturable, nor is the torch route)."""
         cfg = self.cfg
         t = cache.length
-        route = routing.decide(self.policy, routing.DECODE, "step", t + 1, cfg=cfg, device=x.device, dtype=x.dtype)
-        if route.backend != routing.TORCH and only is None:    # the backend registers "layer" beside "step"
-            impl, _ = routing.lookup(routing.DECODE, "layer", route.backend)
+        route, layer = routing.decode_route(self.policy, cfg, x.device, x.dtype)
+        if layer is not None and only is None:       # the backend's whole-layer step
             with routing.profiler_range(routing.DECODE, "step"):
-                out, reads, idx = impl(m=self, x=x, cache=cache, t=t)
+                out, reads, idx = layer(m=self, x=x, cache=cache, t=t)
             return out, StepInfo(reads, idx)
         # below, the host writes token t's row at a host position: a replay of a captured call would write that row
         # again, and a graph that already decodes into this cache (device_owned) would not see the row

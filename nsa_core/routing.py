@@ -68,6 +68,7 @@ _IMPLS: dict[tuple[str, str, str], tuple[Callable, Callable[..., str | None]]] =
 def register(phase: str, branch: str, backend: str, impl: Callable,
              unavailable: Callable[..., str | None] = lambda **_: None) -> None:
     _IMPLS[(phase, branch, backend)] = (impl, unavailable)
+    _DECODE_ROUTES.clear()             # a decode route decided before may have another answer now
 
 
 def lookup(phase: str, branch: str, backend: str, **query) -> tuple[Callable | None, str | None]:
@@ -128,6 +129,30 @@ def _decide(policy: RoutingPolicy, phase: str, branch: str, seq_len: int, **quer
             return Decision(phase, branch, wanted, why)
         notes.append(f"{why}, but {wanted} unavailable: {reason}")
     return Decision(phase, branch, TORCH, "; ".join(notes) or "default")
+
+
+# decode_route's answers, by the ids of a (policy, cfg) pair (both frozen: hashing their fields cost more than
+# the rest of the lookup) with the pair itself kept, and device and dtype; dropped when the registry changes
+_DECODE_ROUTES: dict[tuple, tuple[Decision, tuple, Callable | None, tuple]] = {}
+
+
+def decode_route(policy: RoutingPolicy, cfg, device, dtype) -> tuple[Decision, Callable | None]:
+    """The decode step's route (``decide`` for DECODE/step) and, where that backend registers a whole-layer
+    step (DECODE/layer), its implementation, else None. A decode decision does not depend on the
+    position, so it is decided once per (policy, cfg, device, dtype) and kept: a decode loop pays a
+    dictionary lookup a token, not the decision (~20 µs of host time on a CPU). Each call still notes
+    the decision in the dispatch log, as ``decide`` does (without the position, which it did not use)."""
+    key = (id(policy), id(cfg), device, dtype)
+    hit = _DECODE_ROUTES.get(key)
+    if hit is None or hit[3][0] is not policy or hit[3][1] is not cfg:
+        d = _decide(policy, DECODE, "step", None, cfg=cfg, device=device, dtype=dtype)
+        layer = lookup(DECODE, "layer", d.backend, cfg=cfg, device=device, dtype=dtype)[0] if d.backend != TORCH \
+            else None
+        asked = ", ".join(f"{k}={v}" for k, v in (("dtype", dtype), ("device", device)) if v is not None)
+        hit = _DECODE_ROUTES[key] = (d, (DECODE, "step", d.backend, d.reason, asked.replace("torch.", "")), layer,
+                                     (policy, cfg))
+    decided(*hit[1])
+    return hit[0], hit[2]
 
 
 def prefill_routes(policy: RoutingPolicy, seq_len: int, **query) -> dict[str, Decision]:

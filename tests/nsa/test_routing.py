@@ -63,3 +63,25 @@ def test_compressed_branch_falls_back_to_fa2_when_triton_cannot_run(monkeypatch)
     assert d.backend == "fa2:fake" and d.reason == "S=1024 >= fa2_min_len_cmp=256"
     d = routing.decide(pol, "prefill", "cmp", 200, cfg=PAPER, device=torch.device("cpu"), dtype=torch.bfloat16)
     assert d.backend == "torch" and "triton unavailable" in d.reason and "S=200 < fa2_min_len_cmp=256" in d.reason
+
+
+def test_decode_route_is_decided_once_and_noted_at_every_call(monkeypatch):
+    """``decode_route``: the decision is made once per (policy, cfg, device, dtype), each call still notes it
+    in the dispatch log, and a change of the registry (a backend registered) makes it decide again."""
+    pol, cfg = RoutingPolicy(decode_backend="triton"), tiny(block_size=16)
+    asked = []
+    real = routing._decide
+    monkeypatch.setattr(routing, "_decide", lambda *a, **k: (asked.append(a), real(*a, **k))[1])
+    routing._DECODE_ROUTES.clear()
+    with routing.capture() as log:
+        first = [routing.decode_route(pol, cfg, torch.device(DEV), torch.float32) for _ in range(3)]
+    assert len(asked) == 1 and all(r == first[0] for r in first)
+    d, layer = first[0]
+    assert d.backend == "triton" and layer is routes.decode_layer, d.reason   # the interpreter or a GPU runs it
+    assert any(v.startswith("triton: decode_backend=triton") for v in log.decisions[("decode", "step")])
+    routing.decode_route(RoutingPolicy(decode_backend="triton"), cfg, torch.device(DEV), torch.float32)
+    assert len(asked) == 2                    # another policy object: decided for it
+    routing.register("decode", "step", "fake2", lambda **_: None)
+    routing.decode_route(pol, cfg, torch.device(DEV), torch.float32)
+    assert len(asked) == 3                    # the registry changed: decided again
+    routing._IMPLS.pop(("decode", "step", "fake2"))
