@@ -118,7 +118,11 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
             problem = f"process killed by signal {signal.Signals(-rc).name}"
         elif rc not in (0, 1, 5):   # pytest: 0 ok, 1 failures, 5 nothing collected
             problem = f"pytest exited with code {rc} (collection or internal error)"
-        elif total is not None and len(cases) < total:
+        elif total is None:         # its plan was never written: it ended while importing or collecting
+            problem = f"the suite's process ended (exit code {rc}) before it had collected its cases: nothing ran"
+        elif total == 0 and not ctx.select:
+            problem = "the suite collected no case (a suite with nothing to run at this level still has its placeholders)"
+        elif len(cases) < total:
             problem = f"process ended after {len(cases)} of {total} cases"
     result = suite_result(suite.name, run_dir, problem, round(time.monotonic() - t0, 2), rc)
     if interrupted:

@@ -102,6 +102,38 @@ def test_parity(B, S, record):
     record.assert_ok()
 
 
+@pytest.mark.parametrize("S", profile_cases([pytest.param(S, id=f"S{S}") for S in CFG.contexts[-1:]],
+                                           "decode", "contexts", 1))
+def test_exact_ties(S, record):
+    """The step's top-n where every unforced causal block scores exactly the same (random scores never
+    tie): one compressed token per block (l = d = l'), q = 0, so every logit is exactly 0, each head's
+    probabilities are equal and their sum over the heads is the same sum in every block. Past the
+    forced blocks the step must take the lowest-numbered blocks, as the oracle does (docs/nsa.md), at
+    the longest context, with no near-tie allowance; on a cache with room to grow, as every case."""
+    import dataclasses
+
+    from nsa_core import reference
+    decode = _require()
+    cfg = dataclasses.replace(LAYER, cmp_len=LAYER.block_size, cmp_stride=LAYER.block_size)
+    cache, new = decode_bench.make_inputs(cfg, 2, S, DTYPE, DEV, seed=S + 1, capacity=CFG.capacity_for(S))
+    new["q"].zero_()
+    t, cur, n = S - 1, (S - 1) // cfg.block_size, cfg.n_selected
+    with torch.no_grad(), record.capture() as log:
+        r = decode.DecodeStep(cfg, cache)(**new)
+    for br in ("cmp", "sel", "win"):
+        record.expect_ran(log, "decode", br, "triton")
+    ref = reference.decode_row(new["q"], cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, cfg)
+    free = ref["scores"][:, :, 1:cur - 1]
+    assert free.numel() and (free == free[:, :, :1]).all(), "construction: the oracle's scores do not tie exactly"
+    lowest = sorted({0, cur - 1, cur} | set(range(1, n - 2)))[:n]
+    got = r.idx.long()
+    record.metrics.update(S=S, blocks=got[0, 0].tolist(), oracle=ref["idx"][0, 0].tolist(), lowest=lowest)
+    assert (ref["idx"] == torch.tensor(lowest, device=ref["idx"].device)).all(), "the oracle does not take the lowest"
+    differ = (got != ref["idx"]).any(-1)
+    assert not differ.any(), (f"{int(differ.sum())} of {differ.numel()} (row, KV head) differ from the oracle's "
+                              f"lowest blocks: {got[differ][0].tolist()} vs {lowest}")
+
+
 def _wide_batch(S: int) -> int:
     """The fewest rows whose raw K cache of S tokens holds more than 2^31 elements with the last
     row's offset past int32 (b · S·G·d_k, while the strides themselves fit in int32)."""

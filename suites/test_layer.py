@@ -139,7 +139,12 @@ def test_needle(record):
             out = m(x, only="sel")[0, S - 1, :m.cfg.d_v].float().cpu()
     routes = m.routes(S, x.device, x.dtype)
     record.expect_ran(log, "prefill", "sel", routes["sel"].backend)
-    blk = pos // m.cfg.block_size
+    blk, cur = pos // m.cfg.block_size, (S - 1) // m.cfg.block_size
+    # the needle must be found by scoring: a block the last query takes anyway (block 0, its own and the one
+    # before: forced) or a token its window covers would pass without the selection ranking anything
+    assert blk not in (0, cur - 1, cur) and pos < S - m.cfg.window, (
+        f"S={S}: the needle (token {pos}, block {blk}) sits where the query reads it whatever the scores "
+        f"(forced blocks 0, {cur - 1}, {cur}; window from token {S - m.cfg.window})")
     record.metrics.update(S=S, needle_pos=pos, needle_block=blk, selected=idx.tolist(),
                           backend=routes["sel"].backend, max_abs_err=float((out - payload).abs().max()))
     missing = [g for g in range(m.cfg.n_kv_heads) if blk not in idx[g].tolist()]

@@ -135,3 +135,21 @@ def test_a_capture_diverts_only_its_own_threads_notes():
             other.start()
             other.join()
     assert outer.ran("prefill", "sel", "triton") == 1 and recorded.ran("prefill", "sel", "triton") == 0
+
+
+@pytest.mark.parametrize("counts", [{}, {("prefill", "sel", "torch"): 3}, {("prefill", "win", "triton"): 1},
+                                    {("decode", "sel", "triton"): 1}],
+                         ids=["nothing-ran", "another-backend", "another-branch", "another-phase"])
+def test_expect_ran_fails_when_the_dispatch_log_lacks_the_path(counts):
+    """On a CPU the dispatch log is the only evidence a path ran: ``expect_ran`` fails a case whose log holds
+    no run of the exact (phase, branch, backend) asked for, and passes once it holds one. (A vacuous
+    assertion there fails this test.)"""
+    from nsa_core.routing import DispatchLog
+    log = DispatchLog()
+    log.counts.update(counts)
+    with pytest.raises(AssertionError, match="path under test did not run: prefill/sel on triton"):
+        plugin.Recorder().expect_ran(log, "prefill", "sel", "triton")
+    log.counts[("prefill", "sel", "triton")] += 1
+    rec = plugin.Recorder()
+    rec.expect_ran(log, "prefill", "sel", "triton")
+    assert rec.backends["prefill/sel"] == sorted({"triton", *(b for (p, br, b) in counts if (p, br) == ("prefill", "sel"))})

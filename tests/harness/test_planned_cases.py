@@ -1,0 +1,40 @@
+"""A suite that runs fewer cases than it planned, none at all included, is an error of its own, whatever
+the flags: a module that exits while it is imported, or a process that ends mid-run, leaves a suite
+error naming its log, never a "skip"."""
+import shutil
+
+import pytest
+
+from nsa_validate import profiles
+from nsa_validate.context import RunContext
+from nsa_validate.paths import REPO_ROOT
+from nsa_validate.registry import SanityCfg, Suite
+from nsa_validate.runner import run_suite
+
+PLANTED = {
+    "exits-at-import": "import sys\nsys.exit(0)\n",
+    "ends-the-process-at-import": "import os\nos._exit(0)\n",
+    "exits-mid-run": "import os\n\ndef test_a():\n    pass\n\ndef test_b():\n    os._exit(0)\n\ndef test_c():\n    pass\n",
+    "collects-nothing": "X = 1\n",
+    "healthy": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+}
+
+
+@pytest.mark.parametrize("name", PLANTED)
+def test_a_suite_that_runs_less_than_it_planned_is_an_error(name, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(REPO_ROOT / "suites" / "conftest.py", src / "conftest.py")      # the suites' plugin
+    (src / "test_planted.py").write_text(PLANTED[name])
+    run_dir = tmp_path / "run"
+    for sub in ("suites", "logs"):
+        (run_dir / sub).mkdir(parents=True)
+    prof, device = profiles.resolve("cpu", "standard")
+    suite = Suite("planted", str(src / "test_planted.py"), "a planted suite", SanityCfg, timeout_s=120)
+    r = run_suite(suite, RunContext(profile=prof, device=device, timeout_s=120), run_dir)
+    if name == "healthy":
+        assert r.status == "pass" and len(r.cases) == 2, r
+        return
+    assert r.status == "error", r
+    err = [c for c in r.cases if c.status == "error"]
+    assert err and "logs/planted.log" in err[-1].reason, err
