@@ -935,6 +935,7 @@ class Plan:
     gdc: int                   # the kernels' programmatic-dependent-launch mode (``_gdc``)
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
+    n_sm: int                  # the device's SMs (``_cmp_split`` splits for them at every position)
 
     @property
     def NC(self) -> int:
@@ -969,7 +970,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G))
+                *_launch_shape(B * G), n_sm)
 
 
 class Workspace:
@@ -1043,7 +1044,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
-    n_sm = sm_count(q.device)
+    n_sm = p.n_sm
     BG = B * p.G
     if want & {"cmp", "sel"}:
         _partial_kernel[(BG, p.C_CMP)](*args, 0, n_sm, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,

@@ -403,7 +403,7 @@ HOST_BOUND = 1.5       # a loop taking this many times the GPU's work per token 
 def _user_loop(s, S: int):
     """The loop users write (``decode_bench.decode_loop``): ``NSAAttention.decode`` token after token from
     position S−1, ``loop_tokens`` of them, in the bench's cache where it has room, else in one made for it."""
-    B, need = s.cache.k.shape[0], 3 + (2 if GPU else 1) * CFG.loop_tokens
+    B, need = s.cache.k.shape[0], decode_bench.loop_rows(CFG.loop_tokens, DEV)
     cache = s.cache if s.cache.max_len >= S - 1 + need else \
         _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S - 1 + need)[0]
     return decode_bench.decode_loop(s.m, cache, S - 1, CFG.loop_tokens, DEV)

@@ -142,6 +142,11 @@ def dense_decodes(cfg: NSAConfig, cache, dtype, device, *, flash_attn: bool) -> 
     return out
 
 
+def loop_rows(calls: int, device, warmup: int = 3) -> int:
+    """Tokens ``decode_loop`` appends: its warm-up, then the loop (twice on a GPU: ``timing.loop``)."""
+    return warmup + (2 if torch.device(device).type == "cuda" else 1) * calls
+
+
 def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
     """``NSAAttention.decode`` called token after token from position t, as the README's usage calls it
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
@@ -149,7 +154,7 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. -> timing.LoopTiming."""
     from nsa_validate import timing
     B, D = cache.k.shape[0], m.cfg.d_model
-    n = warmup + (2 if torch.device(device).type == "cuda" else 1) * calls
+    n = loop_rows(calls, device, warmup)
     if t + n > cache.max_len:
         raise ValueError(f"the decode loop needs {t + n} rows, the cache has {cache.max_len}")
     xs = torch.randn(n, B, 1, D, device=device).to(cache.k.dtype)
