@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, sm_count
+from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, precision, sm_count
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (paper config, bf16, 64k;
@@ -1027,7 +1027,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   NC=p.NC, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, **split,
                   NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
                   DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
-                  PREC="ieee" if q.dtype == torch.float32 else "tf32", STAGES=PARTIAL_STAGES,
+                  PREC=precision(q.dtype), STAGES=PARTIAL_STAGES,
                   num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
     # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from

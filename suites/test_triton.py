@@ -9,8 +9,10 @@ low-precision oracle). The kernel's forward must be within 2x, its gradients wit
 low-precision oracle's error, with rel-RMS < 5e-3. The kernel and the oracle get the same block
 indices: random top-n scores through the oracle's own top-n rule (forced initial and local
 blocks, -1 padding where a row has fewer causal blocks than n). Every case proves from the
-dispatch log that the Triton kernel ran. On a GPU the suite also times the kernels against dense
-causal attention (the configuration of the public figures in docs/method.md) and adds the table to ``report.md``.
+dispatch log that the Triton kernel ran. Where the profile's dtypes leave fp32 out, each kernel
+family also runs one small fp32 case (``FP32``), held to the fp32 floor that TF32 dots cannot
+meet. On a GPU the suite also times the kernels against dense causal attention (the configuration
+of the public figures in docs/method.md) and adds the table to ``report.md``.
 """
 from __future__ import annotations
 
@@ -98,8 +100,17 @@ def _lp(dtype):
 
 
 # -- kernel parity -------------------------------------------------------------------------
-SHAPES = [pytest.param(dt, h, dk, dv, S, id=f"{dt}-h{h}-dk{dk}-dv{dv}-S{S}")
-          for dt in CFG.dtypes for (dk, dv) in CFG.head_dims for h in CFG.heads_per_group for S in CFG.seq_lens]
+def _shape(dt, h, dk, dv, S):
+    return pytest.param(dt, h, dk, dv, S, id=f"{dt}-h{h}-dk{dk}-dv{dv}-S{S}")
+
+
+# fp32 at every level: where the profile's dtypes leave it out (the GPU levels run bf16), one fp32 case per
+# kernel family, small (h=2, d=64: the IEEE-precision kernels compile slowly at the paper's dims) and long
+# enough that the top-n chooses (more causal blocks than n). fp32 is held to the fp32 floor
+# (``tolerance.FLOOR``, 2e-5 of the output's scale), which dots rounded to TF32 (~1e-3 relative) cannot meet
+FP32 = [] if "fp32" in CFG.dtypes else [_shape("fp32", 2, 64, 64, 2 * CFG.n_selected * CFG.block_size + 37)]
+SHAPES = [_shape(dt, h, dk, dv, S) for dt in CFG.dtypes for (dk, dv) in CFG.head_dims
+          for h in CFG.heads_per_group for S in CFG.seq_lens] + FP32
 
 
 @pytest.mark.parametrize("dt,h,dk,dv,S", SHAPES)
@@ -406,9 +417,8 @@ def _check_cmp(record, cfg, dtype, q, kc, vc, lens, ncmp, o, lse, do, grads):
     record.assert_ok()
 
 
-CMP_SHAPES = [pytest.param(dt, h, dk, dv, S, id=f"{dt}-h{h}-dk{dk}-dv{dv}-S{S}") for dt in CFG.dtypes
-              for (dk, dv) in CFG.head_dims for h in dict.fromkeys([CFG.heads_per_group[0], CFG.heads_per_group[-1]])
-              for S in CFG.seq_lens]
+CMP_SHAPES = [_shape(dt, h, dk, dv, S) for dt in CFG.dtypes for (dk, dv) in CFG.head_dims
+              for h in dict.fromkeys([CFG.heads_per_group[0], CFG.heads_per_group[-1]]) for S in CFG.seq_lens] + FP32
 
 
 @pytest.mark.parametrize("dt,h,dk,dv,S", CMP_SHAPES)
@@ -487,7 +497,8 @@ def _check_win(record, cfg, dtype, q, k, v, lens, o, do, grads):
 
 
 # the configuration's window and an off-grid one that is not a multiple of any key chunk
-WIN_SHAPES = [pytest.param(*p.values, w, id=f"{p.id}-w{w}") for p in CMP_SHAPES for w in (None, 37)]
+WIN_SHAPES = [pytest.param(*p.values, w, id=f"{p.id}-w{w}") for p in CMP_SHAPES for w in (None, 37)
+              if p not in FP32 or w is None]
 
 
 @pytest.mark.parametrize("dt,h,dk,dv,S,w", WIN_SHAPES)
@@ -772,7 +783,8 @@ BF16_LAYER_GRADS = "bf16 layer gradient: the bf16 oracle itself misses the rel-R
 
 
 MIX_SHAPES = [pytest.param(dt, dv, R, id=f"{dt}-dv{dv}-rows{R}") for dt in CFG.dtypes
-              for dv in dict.fromkeys(dv for _, dv in CFG.head_dims) for R in (1, 333)]
+              for dv in dict.fromkeys(dv for _, dv in CFG.head_dims) for R in (1, 333)] + \
+             [pytest.param("fp32", p.values[3], 333, id=f"fp32-dv{p.values[3]}-rows333") for p in FP32]
 
 
 @pytest.mark.parametrize("dt,dv,R", MIX_SHAPES)
