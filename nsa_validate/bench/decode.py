@@ -164,21 +164,55 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
                            warmup=warmup)
 
 
+def loop_in_fresh_process(paper: bool, B: int, S: int, capacity: int, dtype: str, calls: int, seed: int,
+                          timeout_s: float = 300):
+    """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens, the layer's weights from ``seed``)
+    in a new Python process, ``python -m nsa_validate.bench.decode --loop``: as a user's script runs it, with
+    none of the harness's state. (Inside a suite's process the host's cost a call came out up to twice a fresh
+    process's: H200, B=1, 64k, 126-140 vs 79 µs a token.) -> timing.LoopTiming."""
+    import json
+    import subprocess
+    import sys
+
+    from nsa_validate import timing
+    cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype", dtype,
+           "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls), "--seed", str(seed)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the decode loop's process exited {proc.returncode}: "
+                           + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:]))
+    return timing.LoopTiming(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def probe_seed(B: int, S: int) -> int:
     return B * 7919 + S
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="one eager NSA decode step inside cudaProfilerStart/Stop (for ncu)")
+    ap = argparse.ArgumentParser(description="one eager NSA decode step inside cudaProfilerStart/Stop (for ncu); "
+                                             "with --loop, the decode loop users write, timed (decode_loop), as JSON")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--context", type=int, required=True)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--config", default="paper", choices=["paper", "tiny"])
     ap.add_argument("--capacity", type=int, default=None, help="the cache's capacity (default: the context)")
+    ap.add_argument("--loop", type=int, default=None, help="time this many NSAAttention.decode calls instead")
+    ap.add_argument("--seed", type=int, default=0, help="the layer's weights (--loop)")
+    ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
-    from kernels import decode
     cfg = layer_config(a.config == "paper")
-    cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], "cuda", probe_seed(a.batch, a.context),
+    if a.loop is not None:
+        import json
+        import kernels  # noqa: F401  (registers the Triton routes NSAAttention.decode takes)
+        dt = DTYPES[a.dtype]
+        need = a.context - 1 + loop_rows(a.loop, a.device)
+        cache, _ = make_inputs(cfg, a.batch, a.context, dt, a.device, probe_seed(a.batch, a.context),
+                               capacity=max(a.capacity or 0, need))
+        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, a.context - 1, a.loop, a.device)
+        print(json.dumps(t.summary()))
+        return
+    from kernels import decode
+    cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], a.device, probe_seed(a.batch, a.context),
                              capacity=a.capacity)
     step = decode.DecodeStep(cfg, cache)
     with torch.no_grad():

@@ -51,6 +51,24 @@ def test_gpu_loop_tells_the_hosts_cost_from_the_gpus_work():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
+def test_gpu_loop_host_cost_is_not_queue_waiting():
+    """Calls of many small launches, more of them than the GPU's launch queue holds: the host's cost a
+    call is measured in chunks that fit it, so it stays below the wall time a call (queued all at once
+    behind one sleep, the host waited for room in the queue and read twice the wall time)."""
+    x = torch.zeros(1, device="cuda")
+    t = timing.loop(lambda i: [x.add_(1) for _ in range(8)], 600, device="cuda")
+    assert t.implausible() is None and t.host_ms <= 1.15 * t.wall_ms, t
+
+
+def test_loop_timing_with_a_host_cost_above_its_wall_time_is_implausible():
+    ok = timing.LoopTiming("cuda_events", 10, wall_ms=0.10, events_ms=0.10, host_ms=0.06)
+    assert ok.implausible() is None
+    bad = timing.LoopTiming("cuda_events", 10, wall_ms=0.14, events_ms=0.14, host_ms=0.28)
+    assert "exceeds the loop's wall time" in bad.implausible()
+    assert timing.LoopTiming("cpu", 10, 0.1, None, None).implausible() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
 def test_gpu_warmup_runs_for_warmup_ms_of_gpu_time():
     """On a GPU the warm-up runs the timed loop's iteration (flush, call) until it has taken
     WARMUP_MS of GPU time; warmup=0 means none at all. A call of ~1 ms of GPU sleep needs ~25."""
@@ -136,3 +154,15 @@ def test_layer_measurement_is_host_bound_by_its_gpu_work_alone(tmp_path):
     rec = layer_table.records([row])[0]
     assert rec["nsa_fwd_gpu_ms"] == 9.8 and rec["host_bound"] is False
     assert layer_table._stage_cell(row, "compression") == "1.120 (GPU 0.220) / 1.120 (GPU 0.220)"
+
+
+def test_decode_loop_entry_point_prints_its_timing(capsys):
+    """``python -m nsa_validate.bench.decode --loop N`` (what the decode bench runs in a process of its own on
+    a GPU): the loop's ``LoopTiming`` as one JSON line."""
+    import json
+
+    from nsa_validate.bench import decode
+    decode.main(["--batch", "1", "--context", "40", "--dtype", "fp32", "--config", "tiny", "--loop", "2",
+                 "--device", "cpu", "--seed", "3"])
+    t = timing.LoopTiming(**json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert t.timer == "cpu" and t.calls == 2 and t.wall_ms > 0
