@@ -44,6 +44,7 @@ from kernels.common import precision
 from kernels.decode import DecodeStep, StepOut
 from nsa_core import dispatch
 from nsa_core.cuda_graph import capturing
+from nsa_core.module import StepInfo
 
 # fc1 of the step's small MLPs (φ for k and v, the gate): inputs per program (a K-chunk), per product, and columns
 # per program; warps of an fc2 program (which takes BJ = 32 outputs). H100, paper config, bf16, the whole layer step
@@ -286,28 +287,24 @@ def _seek_kernel(T, POS, OVER, t, B, MAX_LEN, BB: tl.constexpr):
     tl.store(OVER + i, tl.full([BB], 0, tl.int32), mask=i < 1)
 
 
-def _param_ptrs(mod, out: list) -> list:
-    """The addresses of mod's parameters, walking its live ``_parameters`` and ``_modules`` (a replaced
-    parameter or submodule is seen): a quarter of ``parameters()``'s host time (3.2 vs 14.2 µs, paper
-    config, on a CPU), which a replayed decode step pays every token."""
-    for p in mod._parameters.values():
-        if p is not None:
-            out.append(p.data_ptr())
-    for child in mod._modules.values():
-        if child is not None:
-            _param_ptrs(child, out)
-    return out
+# bumped wherever a parameter or a submodule is registered, in any module (torch's global registration hooks):
+# a replay step lists its module's parameters again only then (``LayerDecodeStep._param_ptrs``)
+_REGISTRATIONS = [0]
 
 
-def _int64_info(r: StepOut) -> tuple[torch.Tensor, list[str]]:
-    """A step's reads and blocks as one int64 tensor [B, G, branches + n] (each branch's reads, then
-    the blocks) and the branches' names: one copy for the caller to take, not one per tensor."""
-    return torch.cat([torch.stack(list(r.reads.values()), -1), r.idx], -1).long(), list(r.reads)
+def _registered(*_) -> None:
+    _REGISTRATIONS[0] += 1
 
 
-def _unpack(info: torch.Tensor, names: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """({branch: reads [B, G]}, idx [B, G, n]): views into ``_int64_info``'s tensor."""
-    return {br: info[..., i] for i, br in enumerate(names)}, info[..., len(names):]
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _int64_info(r: StepOut, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A step's reads and blocks as one int64 tensor [B, G, branches + n] (each branch's reads in
+    ``r.reads``'s order, then the blocks), into ``out`` where given: one copy for the caller to take."""
+    return torch.cat([torch.stack(list(r.reads.values()), -1), r.idx], -1, out=out).long()
 
 
 class LayerDecodeStep:
@@ -350,9 +347,9 @@ class LayerDecodeStep:
         self.next_t = torch.empty(B, dtype=torch.int32, device=dev)    # the position the next step appends at
         self.seek(cache.length)             # sets next_t, and self.length: the cache's length as this step last saw it
         self.last: StepOut | None = None
-        # (CUDA graph, its input, its outputs (out, reads and blocks as int64, the reads' branches), what it was
-        # captured for, its notes)
+        # (what it was captured for, CUDA graph, its input, the buffer of its results and their layout, its notes)
         self._graph: tuple | None = None
+        self._params: tuple | None = None        # (``_REGISTRATIONS`` when listed, the module's parameters)
 
     @property
     def cache(self):
@@ -377,8 +374,9 @@ class LayerDecodeStep:
         return length
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
-        """The step, run eagerly, for token t = the cache's length (``length``: that, where read already)."""
+    def __call__(self, x: torch.Tensor, length: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The step, run eagerly, for token t = the cache's length (``length``: that, where read already)
+        -> out [B, 1, D], written into ``into`` where given."""
         held = self.check_room(length)
         m, c = self.m, self.cache
         B = x.shape[0]
@@ -387,29 +385,40 @@ class LayerDecodeStep:
         kn, vn = k[:, 0].contiguous(), v[:, 0].contiguous()     # [B, G, d]: the new token, appended by the step
         self._mlps(x[:, 0].contiguous(), kn, vn, t)              # the gate -> self.g; φ -> its compressed slot
         self.last = self.attn(q[:, 0], kn, vn, pos=t, gate=self.g)
-        out = m.o_proj(self.last.mixed.reshape(B, 1, -1))
+        out = self._o_proj(self.last.mixed.reshape(B, 1, -1), into)
         _advance_kernel[(1,)](t, c.pos, c.overflow, B, c.max_len, BB=self.bb)
         c.advanced()
         self.length = held + 1             # not c.length: on a device_owned cache that read would wait for this step
         return out
 
-    @torch.no_grad()
-    def decode(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        """The step as ``NSAAttention.decode`` runs it -> new tensors (out [B, 1, D], {branch: reads
-        [B, G] int64}, idx [B, G, n] int64): replayed from a CUDA graph on a GPU (``replay``), run
+    def _o_proj(self, mixed: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of mixed [B, 1, H·d_v] -> [B, 1, D], into ``into`` where given: for a
+        bias-free ``nn.Linear`` (the module's own) the same product its forward makes, written in place."""
+        lin = self.m.o_proj
+        if into is None:
+            return lin(mixed)
+        if type(lin) is torch.nn.Linear and lin.bias is None:
+            torch.mm(mixed[:, 0], lin.weight.t(), out=into[:, 0])
+            return into
+        return into.copy_(lin(mixed))
+
+    def decode(self, x: torch.Tensor, length: int | None = None):
+        """The step as ``NSAAttention.decode`` runs it -> (out [B, 1, D], ``StepInfo``: reads {branch: [B, G]
+        int64} and idx [B, G, n] int64), new tensors: replayed from a CUDA graph on a GPU (``replay``), run
         eagerly elsewhere. Where a caller is capturing a CUDA graph of its own, the step is recorded
         into it (no graph inside a graph; ``record``). ``length``: the cache's length where the caller
         has read it already (on a ``device_owned`` cache each read is a sync; then none is made here)."""
-        if not x.is_cuda:
-            out = self(x, length)
-        elif torch.cuda.is_current_stream_capturing():
-            return self.record(x, length)
-        else:
-            return self.replay(x, length)
-        return (out, *_unpack(*_int64_info(self.last)))
+        with torch.no_grad():
+            if not x.is_cuda:
+                out = self(x, length)
+                info = _int64_info(self.last)
+                return out, StepInfo.packed(lambda: info, list(self.last.reads))
+            if torch.cuda.is_current_stream_capturing():
+                return self.record(x, length)
+            return self._replay(x, length)
 
     @torch.no_grad()
-    def record(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    def record(self, x: torch.Tensor, length: int | None = None):
         """As ``decode``, into the CUDA graph the caller is capturing: each of its replays decodes
         the next token (the position advances on the device), which the host cannot count, so the
         cache becomes ``device_owned`` (its length read from the device from then on). The
@@ -420,29 +429,43 @@ class LayerDecodeStep:
         self.cache.device_owned = True     # before the step: the host does not count this token (nothing ran)
         with dispatch.diverted():
             out = self(x, held)
-            info, names = _int64_info(self.last)
+            info = _int64_info(self.last)
         self.length = held                 # the host's view: recording decoded nothing
-        return (out, *_unpack(info, names))
+        return out, StepInfo.packed(lambda: info, list(self.last.reads))
 
     @torch.no_grad()
-    def replay(self, x: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    def replay(self, x: torch.Tensor, length: int | None = None):
         """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only): one
-        graph launch instead of a dozen kernel launches from Python. The graph's out and int64 copy
-        of the reads and blocks are copied out with one clone each (the reads and blocks views into
-        theirs). Captured again where x's shape or dtype, or where a parameter of the module lives
-        (its ``data_ptr``: a parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        graph launch instead of a dozen kernel launches from Python, and one copy of its results. Captured
+        again where x's shape or dtype, or where a parameter of the module lives (its ``data_ptr``: a
+        parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        return self._replay(x, length)
+
+    def _replay(self, x: torch.Tensor, length: int | None):
+        # the host's work per token, which a decode loop that calls the layer from Python waits on: a check of
+        # the key, the input's copy, the graph's launch and one copy of its results (out and the reads and blocks
+        # share one buffer); the reads and blocks are cut out of it only when asked for (``StepInfo.packed``)
         held = self.check_room(length)
-        c = self.cache
-        key = (x.shape, x.dtype, tuple(_param_ptrs(self.m, [])))
-        if self._graph is None or self._graph[3] != key:
+        key = (x.shape, x.dtype, self._param_ptrs())
+        if self._graph is None or self._graph[0] != key:
             self._capture(x, key, held)
-        graph, x_in, (out, info, names), _, notes = self._graph
+        _, graph, x_in, buf, (out_shape, out_strides, at, info_shape, names), notes = self._graph
         x_in.copy_(x)
         graph.replay()                     # advances next_t and the cache's pos on the device
         dispatch.replay(notes)             # the kernels the capture recorded ran again
-        c.advanced()
+        self.cache.advanced()
         self.length = held + 1             # (no read of a device_owned cache's length: it would wait for the replay)
-        return (out.clone(), *_unpack(info.clone(), names))
+        got = buf.clone()
+        return (got.as_strided(out_shape, out_strides),
+                StepInfo.packed(lambda: got[at:].view(torch.int64).view(info_shape), names))
+
+    def _param_ptrs(self) -> tuple:
+        """The addresses of the module's parameters. The list of parameters is made again only where a
+        parameter or submodule was registered anywhere since (``_REGISTRATIONS``); an address changes where a
+        parameter's storage moved (``.to()``, ``p.data = …``)."""
+        if self._params is None or self._params[0] != _REGISTRATIONS[0]:
+            self._params = (_REGISTRATIONS[0], list(self.m.parameters()))
+        return tuple(map(_DATA_PTR, self._params[1]))
 
     def _capture(self, x: torch.Tensor, key: tuple, t: int) -> None:
         x_in = x.clone()
@@ -450,17 +473,24 @@ class LayerDecodeStep:
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):      # compiles and warms up: decodes token t, written again by the replay
-            self(x_in, t)
+            out = self(x_in, t)
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.seek(t)
+        # out and the reads and blocks in one buffer of out's dtype, the int64 part 8-byte aligned
+        per = 8 // out.element_size()
+        at = -(-out.numel() // per) * per
+        info_shape = (*self.last.idx.shape[:2], len(self.last.reads) + self.last.idx.shape[2])
+        buf = torch.empty(at + per * info_shape[0] * info_shape[1] * info_shape[2], dtype=out.dtype, device=x.device)
+        out_view = buf[:out.numel()].view(out.shape)
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, capturing(graph, stream=side):
-            out = self(x_in, t)
-            info, names = _int64_info(self.last)
+            self(x_in, t, into=out_view)
+            _int64_info(self.last, out=buf[at:].view(torch.int64).view(info_shape))
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
-        self._graph = (graph, x_in, (out, info, names), key, notes)
+        self._graph = (key, graph, x_in, buf, (out_view.shape, out_view.stride(), at, info_shape, list(self.last.reads)),
+                       notes)
 
     def _mlps(self, x: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, t: torch.Tensor) -> None:
         """The gate for x [B, D] -> self.g [B, H, 3], and φ over tokens t−l+1 .. t (token t: kn [B, G, d_k]

@@ -214,8 +214,8 @@ routing.register(routing.DECODE, "step", routing.TRITON, decode_step, triton_una
 
 def decode_layer(m, x, cache, t: int):
     """The whole layer's decode step for x [B, 1, D], token t = cache.length (read by the caller: on a
-    ``device_owned`` cache each read is a sync, and this makes none) -> (out [B, 1, D],
-    {branch: reads [B, G] int64}, idx [B, G, n] int64) on ``LayerDecodeStep`` (position on the
+    ``device_owned`` cache each read is a sync, and this makes none) -> (out [B, 1, D], its
+    ``nsa_core.module.StepInfo``) on ``LayerDecodeStep`` (position on the
     device, φ and the gate as fixed-shape device work), made once per cache and module. A cache
     written elsewhere since its last step (a prefill, the torch route) is picked up where it is.
     On a GPU the step is replayed from a CUDA graph (``LayerDecodeStep.decode``). Under a caller's
@@ -235,9 +235,9 @@ def decode_layer(m, x, cache, t: int):
     step = held[1]
     if step.length != t:                   # (a seek to a full cache stays on its last row; the step then refuses)
         step.seek(t)
-    out, reads, idx = step.decode(x, t)
+    out, info = step.decode(x, t)
     routing.note(routing.DECODE, "step", routing.TRITON)
-    return out, reads, idx
+    return out, info
 
 
 routing.register(routing.DECODE, "layer", routing.TRITON, decode_layer, triton_unavailable)

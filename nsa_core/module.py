@@ -11,7 +11,7 @@ Shapes: x [B, S, D] -> out [B, S, D]; H = G·h query heads of size d_k, G KV hea
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -46,14 +46,44 @@ def _on_input_device(method):
     return run
 
 
-@dataclass
 class StepInfo:
     """What one decode step read, from the tensors and indices it used (not from the formula):
     reads[branch] [B, G] int64 tokens per KV head (compressed tokens for cmp), for the branches
     that ran; idx [B, G, n] int64 the blocks it selected (ascending, −1 padded; None when the
-    selection branch did not run)."""
-    reads: dict[str, torch.Tensor]
-    idx: torch.Tensor | None
+    selection branch did not run). The whole-layer step hands them over packed (``packed``): one
+    int64 tensor [B, G, branches + n], each branch's reads then the blocks, split into those views
+    when first asked for (a decode loop that never looks pays no host time for them)."""
+    __slots__ = ("_reads", "_idx", "_packed")
+
+    def __init__(self, reads: dict[str, torch.Tensor], idx: torch.Tensor | None) -> None:
+        self._reads, self._idx, self._packed = reads, idx, None
+
+    @classmethod
+    def packed(cls, make: Callable[[], torch.Tensor], names: list[str]) -> StepInfo:
+        """From ``make()`` -> the packed int64 tensor (called on first access) and the branches' names."""
+        info = cls({}, None)
+        info._packed = (make, names)
+        return info
+
+    def _unpack(self) -> None:
+        make, names = self._packed
+        t = make()
+        self._reads, self._idx, self._packed = {br: t[..., i] for i, br in enumerate(names)}, t[..., len(names):], None
+
+    @property
+    def reads(self) -> dict[str, torch.Tensor]:
+        if self._packed is not None:
+            self._unpack()
+        return self._reads
+
+    @property
+    def idx(self) -> torch.Tensor | None:
+        if self._packed is not None:
+            self._unpack()
+        return self._idx
+
+    def __repr__(self) -> str:
+        return f"StepInfo(reads={self.reads!r}, idx={self.idx!r})"
 
 
 class Compressor(nn.Module):
@@ -291,8 +321,7 @@ class NSAAttention(nn.Module):
         route, layer = routing.decode_route(self.policy, cfg, x.device, x.dtype)
         if layer is not None and only is None:       # the backend's whole-layer step
             with routing.profiler_range(routing.DECODE, "step"):
-                out, reads, idx = layer(m=self, x=x, cache=cache, t=t)
-            return out, StepInfo(reads, idx)
+                return layer(m=self, x=x, cache=cache, t=t)
         # below, the host writes token t's row at a host position: a replay of a captured call would write that row
         # again, and a graph that already decodes into this cache (device_owned) would not see the row
         runs = f"the branch {only!r} alone" if only else f"the {route.backend} route"

@@ -12,6 +12,7 @@ import torch
 from nsa_core import DecodeCache, NSAAttention, routing, tiny
 from nsa_core.cuda_graph import capturing
 from nsa_core.routing import RoutingPolicy
+from nsa_core.module import StepInfo
 
 pytest.importorskip("triton")
 from kernels import routes  # noqa: E402
@@ -77,8 +78,8 @@ def test_layer_step_equals_module_decode(prefill, phi):
 
 def test_module_decode_captures_again_where_a_parameter_was_replaced():
     """The Triton route replays a CUDA graph that reads the module's weights where they lived at
-    capture: a parameter replaced by a new tensor (not updated in place) must make the next decode
-    capture again, or it would read the old tensor (here kept and overwritten with NaN, as freed
+    capture: a parameter replaced by a new tensor (not updated in place), or whose storage moved, must
+    make the next decode capture again, or it would read the old tensor (here kept and overwritten with NaN, as freed
     memory may be). Output vs the torch route, same weights."""
     if DEV != "cuda":
         pytest.skip("the route replays a CUDA graph only on a CUDA GPU")
@@ -94,12 +95,27 @@ def test_module_decode_captures_again_where_a_parameter_was_replaced():
                     lin.weight = torch.nn.Parameter(new.clone())
                     ref_lin.weight.copy_(new)
                     old.fill_(float("nan"))
+            if t == 6:                      # the gate's fc2 weight moved to new storage (as .to() does): no registration
+                old, new = m.gate.fc2.weight.data, torch.randn_like(m.gate.fc2.weight)
+                m.gate.fc2.weight.data = new.clone()
+                ref.gate.fc2.weight.copy_(new)
+                old.fill_(float("nan"))
             with routing.capture() as log:
                 got, _ = m.decode(x[:, t:t + 1], cache)
             assert log.backends("decode")["step"] == ["triton"], log.backends("decode")
             want, _ = ref.decode(x[:, t:t + 1], ref_cache)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
     assert cache.kernel_state[(routing.TRITON, "layer")][1]._graph is not None
+
+
+def test_step_info_packed_is_cut_when_first_asked_for():
+    """A replayed step hands its reads and blocks over packed: made into views on first access, once."""
+    made, t = [], torch.arange(2 * 3 * 7).view(2, 3, 7)
+    info = StepInfo.packed(lambda: made.append(1) or t, ["cmp", "sel", "win"])
+    assert made == []
+    assert torch.equal(info.reads["sel"], t[..., 1]) and torch.equal(info.idx, t[..., 3:]) and made == [1]
+    assert list(info.reads) == ["cmp", "sel", "win"] and info.idx.shape == (2, 3, 4) and made == [1]
+    assert torch.equal(StepInfo({"win": t[..., 0]}, None).reads["win"], t[..., 0])
 
 
 @pytest.mark.parametrize("batch", [40])
