@@ -23,8 +23,9 @@ from rich.table import Table
 
 import yaml
 
-from nsa_validate import __version__, compare, envcheck, fleet, profiles, rundir, run, safefs, thresholds
+from nsa_validate import __version__, compare, envcheck, fleet, profiles, rundir, run, safefs, startup, thresholds
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from nsa_validate.run.stop import Stop
 from nsa_validate.schema import run_level, write_json
 from nsa_validate.registry import SUITES
 
@@ -262,15 +263,25 @@ app.add_typer(baseline_app, name="baseline")
 def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                       name: str = typer.Option(..., "--name", help="baseline name (letters, digits, . _ -)"),
                       out: Optional[Path] = typer.Option(None, "--out", help="file to write (default baselines/NAME.json)"),
+                      force: bool = typer.Option(False, "--force", help="save a run that failed or executed nothing"),
                       json_out: bool = JsonOpt) -> None:
     """Save a run's statuses and timings as a baseline, keyed by GPU model, capability and profile."""
     import re
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UsageError(f"--name '{name}': use letters, digits, '.', '_' and '-' only")
     res = run.load_run(run_dir)
+    v = res["verdict"]
+    unfit = ("executed no case" if v["totals"]["pass"] + v["totals"]["fail"] == 0 else
+             "failed" if v["status"] == "fail" else None)
+    if unfit and not force:
+        raise UsageError(f"run '{run_dir}' {unfit}: a baseline of it would judge later runs by it; "
+                         f"give --force to save it anyway")
+    if unfit:
+        err.print(f"[yellow]warning[/]: run '{escape(str(run_dir))}' {unfit}; saved as a baseline because of --force")
     if out is not None and not str(out).strip():
         raise UsageError("--out is empty; give the baseline file to write")
     path = rundir.expand(out) if out is not None else Path.cwd() / "baselines" / f"{name}.json"
+    path = rundir.resolve(path) if path.is_symlink() else path     # a link is written through, to its target
     compare.check_target(path, run_dir, protected=(rundir.default_out(),))
     data, kept = compare.save(res, run_dir, name, path)
     err.print(f"baseline '{name}' ({data['gpu']} {data['sm']}, profile {data['profile']}): {len(data['cases'])} cases, "
@@ -284,11 +295,18 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
 def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from any machines"),
               out: Optional[str] = OutOpt, json_out: bool = JsonOpt) -> None:
     """One fleet report (GPU x suite verdicts and key figures) from many run folders."""
-    runs = [(d, run.load_run(d)) for d in run_dirs]
-    folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
+    unique = list(dict.fromkeys(rundir.resolve(d) for d in run_dirs))      # a run named twice counts once
+    runs = [(d, run.load_run(d)) for d in unique]
     data = fleet.summarise(runs)
-    write_json(folder / "fleet.json", data)
-    safefs.atomic_write(folder / "fleet.md", fleet.render(data))
+    text = fleet.render(data)
+    folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
+    try:
+        write_json(folder / "fleet.json", data)
+        safefs.atomic_write(folder / "fleet.md", text)
+    except BaseException:          # (a full disk, a signal): no half-written report folder is left
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     err.print(f"fleet report of {len(runs)} runs: {folder / 'fleet.md'}")
     if json_out:
         print(json.dumps({"report": str(folder / "fleet.md"), "runs": len(runs)}))
@@ -312,12 +330,18 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
         raise UsageError(f"run '{run_dir}' has no routing recommendation (neither its fa2 nor its triton suite "
                          f"ran a bench: see its report)")
     source = res["manifest"].get("profile_source")
-    if not source or not Path(source).is_file():
+    if not isinstance(source, str) or not Path(source).is_absolute():
+        raise UsageError(f"run '{run_dir}' recorded its profile's file as {source!r}, not an absolute path: which "
+                         f"file it used is not known, so none is updated")
+    if not Path(source).is_file():
         raise UsageError(f"run '{run_dir}' used profile {res['manifest'].get('profile')!r} from "
-                         f"{source or 'an unrecorded file'}, which is not there any more; nothing to update")
-    target = Path(source)                  # the file the run used, never a shipped one that shares its name
+                         f"{source}, which is not there any more; nothing to update")
+    target = Path(source).resolve()        # the file the run used (through a link: the file it points to)
+    if apply and target.parent == profiles.PROFILE_DIR.resolve():
+        raise UsageError(f"--apply would edit the shipped profile {target}; copy it, run with --profile COPY, "
+                         f"and apply to the copy (the suggestion is written beside it without --apply)")
     gpu = ((res.get("env") or {}).get("facts") or {}).get("gpu") or {}
-    header = (f"# Suggested by `nsa-validate profile suggest` from run {run_dir.name} "
+    header = (f"{thresholds.HEADER_MARK} from run {run_dir.name} "
               f"({gpu.get('name', 'unknown GPU')}, {res['manifest'].get('started')}):\n"
               f"#   {', '.join(f'{k}={v}' for k, v in suggest.items())}\n")
 
@@ -451,9 +475,10 @@ class _Console(run.Listener):
 def _run(req: run.RunRequest, json_out: bool) -> int:
     """Run the request, show progress and the verdict; the exit code."""
     expected = {}
-    with contextlib.suppress(UsageError):       # the ETAs only: execute() reports a bad profile itself
-        expected = profiles.resolve(req.profile, req.level)[0].suites.expected_s
-    out = run.execute(req, _Console(expected))
+    with Stop() as stop:                        # before torch is imported: a signal during the import is kept
+        with contextlib.suppress(UsageError):   # the ETAs only: execute() reports a bad profile itself
+            expected = profiles.resolve(req.profile, req.level)[0].suites.expected_s
+        out = run.execute(req, _Console(expected), stop)
     res = out.results
     if res.get("comparison"):
         _show_comparison(res["comparison"])
@@ -522,6 +547,9 @@ def _exit_with_error(msg: str, code: int) -> None:
 
 
 def main() -> None:
+    if early := startup.take_early():        # a signal while the CLI was imported: nothing ran yet
+        err.print(f"interrupted ({', '.join(early)})")
+        sys.exit(EXIT_INTERRUPTED)
     try:
         rc = app(standalone_mode=False)
     except UsageError as e:

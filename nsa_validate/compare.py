@@ -88,7 +88,8 @@ def from_results(res: dict, source: str, name: str | None = None) -> dict:
     return {"baseline_version": BASELINE_VERSION, "name": name, "source": source, **machine_key(res),
             "commit": res["manifest"].get("commit"), "dirty": res["manifest"].get("dirty"),
             "created": res["manifest"].get("started"), "versions": versions(res),
-            "suites": list(res["manifest"].get("suites") or res["suites"]),
+            "suites": [str(x) for x in (res["manifest"].get("suites") if isinstance(res["manifest"].get("suites"), list)
+                                        else res["suites"])],
             "cases": {f"{n}/{c['id']}": c["status"] for n, s in res["suites"].items() for c in s["cases"]
                       if not c.get("placeholder") and c["id"] != "not-run"},
             "timings": timings(res)}
@@ -134,8 +135,17 @@ def _check_baseline(data: dict) -> None:
     for key in ("gpu", "sm"):
         if not isinstance(data.get(key), str):
             raise ValueError(f"{key}: missing or not a string")
-    if data.get("profile") is not None and not isinstance(data["profile"], str):
-        raise ValueError("profile: not a string")
+    for key in ("profile", "name", "source", "commit", "created", "select"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ValueError(f"{key}: not a string")
+    if data.get("dirty") is not None and not isinstance(data["dirty"], bool):
+        raise ValueError("dirty: not true or false")
+    if data.get("suites") is not None and not (isinstance(data["suites"], list)
+                                               and all(isinstance(x, str) for x in data["suites"])):
+        raise ValueError("suites: not a list of suite names")
+    if data.get("versions") is not None and not (isinstance(data["versions"], dict) and all(
+            v is None or isinstance(v, (str, int, float)) for v in data["versions"].values())):
+        raise ValueError("versions: not an object of version strings")
     if not isinstance(data.setdefault("level", run_level(data)), str):
         raise ValueError("level: not a string")
     if not isinstance(data.get("cases"), dict) or not all(isinstance(v, str) for v in data["cases"].values()):
@@ -155,9 +165,10 @@ def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) ->
     p = rundir.resolve(rundir.expand(path))
     if p.is_dir():
         raise UsageError(f"--out '{path}' is a folder; give the baseline file to write (e.g. baselines/NAME.json)")
-    for anc in (p, *p.parents):
-        if (anc / "manifest.json").is_file() or (anc / "results.json").is_file():
-            raise UsageError(f"--out '{path}' is inside the run folder '{anc}'; a baseline never writes into a run")
+    if p == Path("/") or any(p == d or d in p.parents for d in rundir.SYSTEM_DIRS):
+        raise UsageError(f"--out '{path}' is a system location ({p}); write the baseline to a folder of your own")
+    if (anc := rundir.enclosing_run(p)) is not None:
+        raise UsageError(f"--out '{path}' is inside the run folder '{anc}'; a baseline never writes into a run")
     for root in (rundir.resolve(run_dir), *(rundir.resolve(r) for r in protected)):
         if p == root or root in p.parents:
             raise UsageError(f"--out '{path}' is inside '{root}' (run folders live there); write the baseline elsewhere")
@@ -184,8 +195,10 @@ def check_same_machine(run: dict, base: dict) -> None:
     """Comparing timings across GPUs, profiles or levels is meaningless: refuse with both keys named."""
     for k in ("gpu", "sm", "profile"):
         if run[k] != base[k]:
+            where = "a CPU" if run["sm"] == "-" else f"{run['gpu']} (sm {run['sm']})"
+            prof = f" with profile {run['profile']}" if run["profile"] else ""
             raise UsageError(f"baseline is from another machine: {k} {base[k]!r} (baseline) vs {run[k]!r} (this run); "
-                             f"compare against a baseline made on {run['gpu']} {run['sm']} with profile {run['profile']}")
+                             f"compare against a baseline made on {where}{prof}")
     if run.get("select") != base.get("select"):
         raise UsageError(f"baseline ran cases selected by -k {base.get('select')!r}, this run -k {run.get('select')!r}: "
                          "they ran different cases; compare runs of one selection")
@@ -219,8 +232,8 @@ def compare(run: dict, base: dict, max_regression_pct: float = DEFAULT_MAX_REGRE
             row(case, was, "retired", RETIRED[case], "retired")
         elif was == "pass" and now != "pass":
             row(case, was, now, "", "regression")
-        elif now == "missing":
-            row(case, was, now, "", "regression")
+        elif now == "missing":             # a case that did not pass (e.g. a suite-process error) went away
+            row(case, was, now, "", "gone")
         elif was != now:
             row(case, was, now, "", "status changed")
     for case, now in run["cases"].items():
@@ -246,7 +259,7 @@ def compare(run: dict, base: dict, max_regression_pct: float = DEFAULT_MAX_REGRE
         else:
             verdict = "ok"
         row(key, _band(b), _band(r), f"{change:+.1f}%", verdict)
-    order = {"regression": 0, "status changed": 1, "within noise": 2, "not gated (CPU timer)": 3, "faster": 4, "ok": 5}
+    order = {"regression": 0, "status changed": 1, "gone": 1, "within noise": 2, "not gated (CPU timer)": 3, "faster": 4, "ok": 5}
     rows.sort(key=lambda x: order.get(x["verdict"], 9))
     bv, rv = base.get("versions") or {}, run.get("versions") or {}
     warnings = [f"{k} differs from the baseline's: {bv.get(k)} (baseline) vs {rv.get(k)} (this run)"

@@ -168,11 +168,12 @@ def run_interpreter_probe(timeout: float = 180) -> tuple[dict | None, str | None
     Triton reads the switch when a kernel is defined, so this process's own kernels are unaffected)."""
     import json
 
-    from nsa_validate import interpret
+    from nsa_validate import interpret, orphans
     env = interpret.child_env("cpu")
     try:
         p = subprocess.run([sys.executable, "-m", "kernels.interpreter"], capture_output=True, text=True,
-                           timeout=timeout, cwd=REPO_ROOT, env=env)
+                           timeout=timeout, cwd=REPO_ROOT, env=env,
+                           preexec_fn=orphans.die_with_parent())
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, str(e)
     for line in reversed(p.stdout.strip().splitlines()):

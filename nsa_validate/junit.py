@@ -32,4 +32,23 @@ def write(results: dict, path: Path) -> None:
             tag = {"fail": "failure", "error": "error", "skip": "skipped"}.get(case["status"])
             if tag:
                 ET.SubElement(tc, tag, message=case["reason"][:500]).text = case["reason"]
+    # the verdict's own testsuite: each blocking entry that no failing or erroring testcase above stands for
+    # (an environment failure, an interruption, a suite not exercised or a case skipped under --strict, a
+    # regression against the baseline) fails a testcase of its own, so a CI reporter reading only this file
+    # sees the run fail exactly when the verdict does
+    shown = {f"{name}/{c['id']}: {c['status']}" for name, s in results["suites"].items() for c in s["cases"]
+             if c["status"] in ("fail", "error")}
+    v = results.get("verdict") or {}
+    blocking = [b for b in v.get("blocking", []) if b not in shown]
+    ts = ET.SubElement(root, "testsuite", name="verdict", tests=str(max(1, len(blocking))), failures=str(len(blocking)),
+                       errors="0", skipped="0", time="0.000", timestamp=str(man.get("started") or ""),
+                       hostname=str(man.get("host") or ""))
+    pe = ET.SubElement(ts, "properties")
+    for k, val in props.items():
+        ET.SubElement(pe, "property", name=k, value="" if val is None else str(val))
+    for b in blocking:
+        tc = ET.SubElement(ts, "testcase", classname="nsa_validate.verdict", name=b[:200], time="0.000")
+        ET.SubElement(tc, "failure", message=b[:500]).text = b
+    if not blocking:
+        ET.SubElement(ts, "testcase", classname="nsa_validate.verdict", name=f"verdict: {v.get('status')}", time="0.000")
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

@@ -14,6 +14,8 @@ import subprocess
 
 import pandas as pd
 
+from nsa_validate import orphans
+
 METRICS = {"dram__bytes_read.sum": "dram_read", "dram__bytes_write.sum": "dram_write"}
 UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 
@@ -39,7 +41,7 @@ def dram_bytes(argv: list[str], timeout_s: float = 600) -> pd.DataFrame:
     error lines when it counted nothing (e.g. no permission for the GPU's counters)."""
     cmd = ["ncu", "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
            "--print-units", "base", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=orphans.die_with_parent())
     if "ERR_NVGPUCTRPERM" in proc.stdout + proc.stderr:
         raise NoCounterAccess("ncu may not read this GPU's performance counters here (ERR_NVGPUCTRPERM: "
                               "the driver restricts them to admin users)")

@@ -199,6 +199,8 @@ def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") or path.exists()):
         path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if path.is_dir():
+        raise UsageError(f"profile '{name_or_path}' is a folder; give a profile's name or its YAML file")
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml") if "." not in p.stem))
         raise UsageError(f"profile '{name_or_path}' not found (known: {known})")
@@ -215,7 +217,7 @@ def load(name_or_path: str, level: str = DEFAULT_LEVEL) -> Profile:
         check_ranges(prof)
     except UsageError as e:
         raise UsageError(f"profile {path.name}: {e}") from None
-    prof.source = str(path)
+    prof.source = str(path.resolve())          # absolute: ``profile suggest --apply`` edits this file, from anywhere
     return prof
 
 

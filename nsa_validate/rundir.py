@@ -20,15 +20,30 @@ def default_out() -> Path:
 
 
 def git_info(root: Path = REPO_ROOT) -> dict:
+    """The project's commit and whether its tree differs from it. Only where ``root`` is itself a git
+    work tree's top: a copy of the project inside another repository is ``nogit``, not that repository's
+    commit. The tool's own files (``.NAME.lock`` beside a file it wrote, ``baselines/``) do not make a
+    tree dirty."""
     def git(*args):
         r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
-        return r.stdout.strip() if r.returncode == 0 else None
+        return r.stdout.rstrip("\n") if r.returncode == 0 else None
+    sha, dirty = None, False
     try:
-        sha = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain")) if sha else False
+        top = git("rev-parse", "--show-toplevel")
+        if top and Path(top).resolve() == Path(root).resolve():
+            sha = git("rev-parse", "HEAD")
+            status = git("status", "--porcelain") if sha else ""
+            dirty = any(not _tool_file(line[3:]) for line in (status or "").splitlines())
     except (OSError, subprocess.TimeoutExpired):
         sha, dirty = None, False
     return {"commit": sha, "short": sha[:7] if sha else "nogit", "dirty": dirty}
+
+
+def _tool_file(path: str) -> bool:
+    """A path ``git status`` lists that the tool itself writes into a project."""
+    path = path.strip().strip('"').rstrip("/")
+    name = path.rsplit("/", 1)[-1]
+    return path == "baselines" or path.startswith("baselines/") or (name.startswith(".") and name.endswith(".lock"))
 
 
 SYSTEM_DIRS = tuple(Path(p) for p in ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys",
@@ -85,6 +100,8 @@ def check_out(out: str | None) -> Path:
             raise UsageError(f"--out '{out}' is a system location ({real}); choose a folder of your own")
         if any(real == d or d in real.parents for d in PACKAGE_DIRS):
             raise UsageError(f"--out '{out}' is inside the tool's own code ({real}); choose another folder")
+        if (run := enclosing_run(real)) is not None:
+            raise UsageError(f"--out '{out}' is inside the run folder '{run}'; a run never writes into another")
         root = real                   # absolute: suite processes run in the repository, not in this folder
     if root.exists() and not root.is_dir():
         raise UsageError(f"--out '{root}' exists and is not a directory")
@@ -96,6 +113,14 @@ def check_out(out: str | None) -> Path:
     except OSError as e:
         raise UsageError(f"--out '{root}' is not writable ({e.strerror or e})") from None
     return root
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The run folder (one holding a ``manifest.json`` or ``results.json``) that ``path`` is or lies in, or None."""
+    for d in (path, *path.parents):
+        if (d / "manifest.json").is_file() or (d / "results.json").is_file():
+            return d
+    return None
 
 
 def commit_label(git: dict) -> str:

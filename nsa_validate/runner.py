@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from nsa_validate import interpret
+from nsa_validate import interpret, orphans
 from nsa_validate.context import RunContext
 from nsa_validate.paths import REPO_ROOT
 from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
@@ -32,43 +32,31 @@ def suite_env(ctx: RunContext) -> dict:
     return env
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn of a suite process: on Linux, SIGKILL it when the process that started it dies
-    (PR_SET_PDEATHSIG); if that parent is already gone, exit at once."""
-    prctl = _PRCTL
-
-    def pre() -> None:
-        if prctl is not None:
-            prctl(1, signal.SIGKILL)               # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-    return pre
-
-
-try:                          # loaded before any fork: a preexec_fn must not import
-    import ctypes
-    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _PRCTL = None
-
-
-def read_records(path: Path) -> tuple[int | None, list[CaseRecord], str | None]:
-    """(cases collected, the finished cases, the case running now or None) from a suite's records."""
+def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, list[CaseRecord], str | None]:
+    """(cases collected, the finished cases, the case running now or None) from a suite's records. A
+    line that is not a record (cut short by a dying process, or damaged) is skipped; ``bad`` gets a
+    description of each such line but a cut-short last one."""
     collected, cases, running = None, [], None
     if not path.exists():
         return None, [], None
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines, 1):
         try:
             d = json.loads(line)
-        except json.JSONDecodeError:
-            continue   # a line cut short by a dying process
-        if "collected" in d:
-            collected = d["collected"]
-        elif "running" in d:
-            running = d["running"]
-        else:
-            cases.append(CaseRecord(**d))
-            running = None
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON {type(d).__name__}, not a record")
+            if "collected" in d:
+                if type(d["collected"]) is not int:
+                    raise ValueError(f"collected: {d['collected']!r} is not a count")
+                collected = d["collected"]
+            elif "running" in d:
+                running = d["running"] if isinstance(d["running"], str) else None
+            else:
+                cases.append(CaseRecord(**d))
+                running = None
+        except (ValueError, TypeError) as e:
+            if bad is not None and not (i == len(lines) and isinstance(e, json.JSONDecodeError)):
+                bad.append(f"line {i}: {str(e).splitlines()[0][:200]}")
     return collected, cases, running
 
 
@@ -91,7 +79,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+                                start_new_session=True, preexec_fn=orphans.die_with_parent())
         problem = ""
         interrupted = False
         try:
@@ -135,7 +123,11 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
     """A suite's result from what its process left in the run folder: the case records, and the
     tables and notes it saved (``extra.json``). ``problem``: why the process ended early, if it did
     (an error case says so)."""
-    total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl")
+    bad: list[str] = []
+    total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl", bad)
+    if bad:
+        cases.append(CaseRecord("suite-records", name, "error", f"{len(bad)} malformed line(s) in "
+                                f"suites/{name}.records.jsonl were skipped, {bad[0]}"))
     if problem:
         cases.append(CaseRecord("suite-process", name, "error", f"{problem}; see logs/{name}.log"))
     out_dir = run_dir / "suites" / name

@@ -196,8 +196,20 @@ def check_results(data) -> None:
     _expect(isinstance(v.get("totals"), dict) and all(isinstance(v["totals"].get(k), int) for k in STATUSES),
             "verdict.totals", f"needs counts of {', '.join(STATUSES)}")
     _expect(isinstance(v.get("blocking"), list), "verdict.blocking", "missing or not a list")
+    _expect(data.get("env") is None or isinstance(data["env"], dict), "env", "not an object")
+    facts = (data.get("env") or {}).get("facts")
+    _expect(facts is None or isinstance(facts, dict), "env.facts", "not an object")
+    _expect(not isinstance(facts, dict) or facts.get("gpu") is None or isinstance(facts["gpu"], dict),
+            "env.facts.gpu", "not an object")
+    _expect(data["manifest"].get("suites") is None or (isinstance(data["manifest"]["suites"], list) and all(
+        isinstance(x, str) for x in data["manifest"]["suites"])), "manifest.suites", "not a list of suite names")
     for name, s in data["suites"].items():
         _expect(isinstance(s, dict), f"suites.{name}", "not an object")
+        extra = s.get("extra")
+        _expect(extra is None or isinstance(extra, dict), f"suites.{name}.extra", "not an object")
+        for key, kind in (("tables", dict), ("notes", list), ("plots", list), ("suggest", dict), ("summary", dict)):
+            _expect(not isinstance(extra, dict) or extra.get(key) is None or isinstance(extra[key], kind),
+                    f"suites.{name}.extra.{key}", f"not {'a list' if kind is list else 'an object'}")
         _expect(isinstance(s.get("status"), str), f"suites.{name}.status", "missing or not a string")
         _expect(isinstance(s.get("counts"), dict) and all(isinstance(s["counts"].get(k), int) for k in STATUSES),
                 f"suites.{name}.counts", f"needs counts of {', '.join(STATUSES)}")
@@ -206,6 +218,23 @@ def check_results(data) -> None:
         for i, c in enumerate(s["cases"]):
             _expect(isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("status"), str),
                     f"suites.{name}.cases[{i}]", "needs 'id' and 'status' strings")
+            for key in ("metrics", "backends", "kernels", "params", "routes"):
+                _expect(c.get(key) is None or isinstance(c[key], dict), f"suites.{name}.cases[{i}].{key}",
+                        "not an object")
+            _expect(isinstance(c.get("reason", ""), str), f"suites.{name}.cases[{i}].reason", "not a string")
+            _check_timings(c.get("metrics") or {}, f"suites.{name}.cases[{i}].metrics")
+
+
+def _check_timings(m: dict, where: str) -> None:
+    """Every timing record in a case's metrics (a dict with ``median_ms``) holds numbers where readers
+    compute with it."""
+    if "median_ms" in m:
+        for key in ("median_ms", "p20_ms", "p80_ms"):
+            _expect(m.get(key) is None or isinstance(m[key], (int, float)), f"{where}.{key}", "not a number")
+        return
+    for k, v in m.items():
+        if isinstance(v, dict):
+            _check_timings(v, f"{where}.{k}")
 
 
 def read_json(path: Path):
@@ -216,6 +245,8 @@ def read_json(path: Path):
         raise ValueError("not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to be one of this tool's files") from None
 
 
 def load_results(path: Path) -> dict:

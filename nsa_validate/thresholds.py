@@ -28,17 +28,55 @@ def pick_backend(thresholds: dict[str, int | None]) -> tuple[str | None, int | N
     return b, t
 
 
+HEADER_MARK = "# Suggested by `nsa-validate profile suggest`"      # the first line of the header it writes
+
+
 def rewrite_routing(text: str, values: dict[str, object], header: str) -> str:
-    """The profile YAML ``text`` with each ``routing`` key in ``values`` set (comments kept);
-    ``values`` pass ``check_suggestion`` first."""
+    """The profile YAML ``text`` with each top-level ``routing`` key in ``values`` set (comments and
+    everything else kept); ``values`` pass ``check_suggestion`` first. Only a block-style ``routing:``
+    mapping is edited, its keys at the block's own indentation; the result is parsed again and must
+    differ from the original in those keys alone (ValueError otherwise, naming why)."""
+    import yaml
     check_suggestion(values)
+    before = _parsed_profile(text)
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if re.match(r"routing:[ \t]*(#.*)?$", ln.rstrip("\r\n"))), None)
+    if start is None:
+        raise ValueError("has no block-style top-level 'routing:' mapping to update (edit it by hand)")
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"[^\s#]", lines[i])), len(lines))
+    keyed = [re.match(r"([ \t]+)([A-Za-z_][A-Za-z0-9_]*):", lines[i]) for i in range(start + 1, end)]
+    indents = {m.group(1) for m in keyed if m}
+    if len(indents) != 1:
+        raise ValueError("its 'routing:' block has no keys at one indentation (edit it by hand)")
+    indent = indents.pop()
     for key, val in values.items():
         yaml_val = "null" if val is None else str(val)
-        pat = re.compile(rf"^(\s*{re.escape(key)}:\s*)([^#\n]*?)(\s*(#.*)?)$", re.M)
-        if not pat.search(text):
-            raise ValueError(f"profile has no '{key}' line to update")
-        text = pat.sub(lambda m: f"{m.group(1)}{yaml_val}{m.group(3) or ''}", text, count=1)
-    return header + text
+        pat = re.compile(rf"^({re.escape(indent)}{re.escape(key)}:[ \t]*)([^#\n]*?)([ \t]*(#.*)?)(\r?\n?)$")
+        at = next((i for i in range(start + 1, end) if pat.match(lines[i])), None)
+        if at is None:
+            raise ValueError(f"has no 'routing.{key}' line to update")
+        lines[at] = pat.sub(lambda m: f"{m.group(1)}{yaml_val}{m.group(3) or ''}{m.group(5)}", lines[at])
+    out = "".join(lines)
+    after = _parsed_profile(out)
+    want = dict(before, routing={**before["routing"], **values})
+    if after != want:
+        raise ValueError("the edit would change more than the routing keys suggested (edit it by hand)")
+    # an earlier suggestion's header is replaced, not stacked
+    out = re.sub(rf"\A(?:{re.escape(HEADER_MARK)}[^\n]*\n(?:#   [^\n]*\n)?)+", "", out)
+    yaml.safe_load(header + out)
+    return header + out
+
+
+def _parsed_profile(text: str) -> dict:
+    """A profile's YAML as a mapping with a ``routing`` mapping; ValueError otherwise."""
+    import yaml
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("routing"), dict):
+        raise ValueError("is not a profile (a YAML mapping with a 'routing' mapping)")
+    return data
 
 
 def check_suggestion(values: dict[str, object]) -> None:

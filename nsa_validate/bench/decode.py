@@ -174,10 +174,10 @@ def loop_in_fresh_process(paper: bool, B: int, S: int, capacity: int, dtype: str
     import subprocess
     import sys
 
-    from nsa_validate import timing
+    from nsa_validate import orphans, timing
     cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype", dtype,
            "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls), "--seed", str(seed)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=orphans.die_with_parent())
     if proc.returncode != 0:
         raise RuntimeError(f"the decode loop's process exited {proc.returncode}: "
                            + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:]))

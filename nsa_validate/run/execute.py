@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nsa_validate import __version__, compare, envcheck, gpu_share, profiles, rundir
 from nsa_validate.context import RunContext
+from nsa_validate.errors import UsageError
 from nsa_validate.registry import SUITES
 from nsa_validate.run.finish import finish, mark_failed
 from nsa_validate.run.listener import Listener
@@ -49,9 +50,27 @@ class Outcome:
     results: dict                         # results.json's content
 
 
-def execute(req: RunRequest, listener: Listener | None = None) -> Outcome:
+def check_select(expr: str | None) -> None:
+    """``-k``: an expression pytest can parse (it would fail every suite otherwise); UsageError."""
+    if expr is None:
+        return
+    try:
+        from _pytest.mark.expression import Expression    # pytest's own -k parser
+    except ImportError:                                  # (private: where it moves, the suites report it)
+        return
+    try:
+        Expression.compile(expr)
+    except Exception as e:                               # noqa: BLE001  (ParseError, across pytest versions)
+        raise UsageError(f"-k {expr!r} is not a pytest expression ({str(e).splitlines()[0]})") from None
+
+
+def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None = None) -> Outcome:
     """Run ``req``; ``listener`` hears of each step. An OSError (a full disk) marks the folder
-    ``error: <why>`` and propagates."""
+    ``error: <why>`` and propagates. ``stop``: signal handling the caller installed already (before it
+    imported torch: a signal there would be lost); a signal before the run folder exists raises
+    KeyboardInterrupt and leaves no folder."""
+    if stop is not None:
+        return _execute(req, listener or Listener(), stop)
     with Stop() as stop:
         return _execute(req, listener or Listener(), stop)
 
@@ -59,12 +78,15 @@ def execute(req: RunRequest, listener: Listener | None = None) -> Outcome:
 def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     t_start = time.monotonic()
     prof, device = profiles.resolve(req.profile, req.level)
+    check_select(req.select)
     root = rundir.check_out(req.out)
     rep = envcheck.collect()
     t_env = time.monotonic()
     if req.baseline is not None:       # a baseline from another machine is refused before anything runs
         compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, req.select), req.baseline)
     git = rundir.git_info()
+    if stop.is_set():                  # before anything was written: nothing to keep
+        raise KeyboardInterrupt
     run_dir = rundir.create(root, git)
     names = req.suites
     shards = shard(names, prof, req.n_gpus)

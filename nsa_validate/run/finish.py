@@ -57,9 +57,18 @@ def finish(run_dir: Path, manifest: dict, env: dict, prof: profiles.Profile, res
     if status != "complete":
         res["verdict"]["status"] = "fail"
         res["verdict"]["blocking"].insert(0, f"run {status}")
-        res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
+        res["verdict"]["headline"] = _unfinished_headline(status, results, res["verdict"]["not_exercised"])
     if baseline is not None:
-        res["comparison"] = compare.compare(compare.from_results(res, str(run_dir)), baseline, max_regression)
+        try:
+            res["comparison"] = compare.compare(compare.from_results(res, str(run_dir)), baseline, max_regression)
+        except Exception as e:     # noqa: BLE001  (the baseline is checked before the run; the run is never lost)
+            why = f"{type(e).__name__}: {e}"
+            res["comparison"] = {"status": "error", "baseline": baseline.get("name") or baseline.get("source"),
+                                 "max_regression_pct": max_regression, "regressions": [], "rows": [],
+                                 "not_compared": [], "warnings": [f"the comparison failed: {why}"], "error": why}
+            res["verdict"]["status"] = "fail"
+            res["verdict"]["blocking"].append(f"comparison with the baseline failed: {why}")
+            res["verdict"]["headline"] = headline("fail", results, res["verdict"]["not_exercised"])
         if res["comparison"]["status"] == "regression":
             res["verdict"]["status"] = "fail"
             res["verdict"]["blocking"] += [f"regression vs baseline: {r}" for r in res["comparison"]["regressions"]]
@@ -70,6 +79,17 @@ def finish(run_dir: Path, manifest: dict, env: dict, prof: profiles.Profile, res
     write_views(run_dir, res)
     write_json(run_dir / "manifest.json", manifest)
     return res
+
+
+def _unfinished_headline(status: str, results: dict[str, SuiteResult], not_exercised: dict) -> str:
+    """The verdict line of a run that did not complete: what stopped it first, then the suites (a suite
+    an interruption stopped is "stopped", not "errored")."""
+    if status == "env-broken":
+        return "FAIL: environment broken, no suite ran (env.json and the report say what is wrong)"
+    rest = headline("fail", results, not_exercised).split(": ", 1)[1] if results else ""
+    if status == "interrupted":
+        rest = rest.replace(" errored", " stopped")
+    return f"FAIL: run {status}" + (f"; {rest}" if rest else "")
 
 
 def write_views(run_dir: Path, res: dict, embed_plots: bool = False) -> None:
@@ -160,7 +180,7 @@ def repair(run_dir: Path, manifest: dict) -> dict:
     except UsageError:
         prof = profiles.Profile(name=str(manifest.get("profile")))
     results = {}
-    for name in manifest.get("suites") or []:
+    for name in manifest.get("suites") if isinstance(manifest.get("suites"), list) else []:
         rec = run_dir / "suites" / f"{name}.records.jsonl"
         if not rec.exists():
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",

@@ -472,3 +472,246 @@ def test_unknown_user_home_and_short_verdicts_are_one_line(tmp_path):
     (run / "results.json").write_text(json.dumps(res))
     for args in (["report", str(run)], ["merge", str(run), "--out", str(tmp_path / "m")]):
         one_line_exit_2(cli(*args), "verdict.totals")
+
+
+# -- issue 64: lost work, wrong verdicts --------------------------------------------------
+@pytest.mark.parametrize("field,value", [("versions", "x"), ("suites", 5), ("dirty", "yes"), ("commit", 3)])
+def test_a_malformed_baseline_file_is_refused_before_anything_runs(tmp_path, field, value):
+    """Fields the comparison reads after the suites ran are checked up front: exit 2, no run folder."""
+    good = make_run(tmp_path, "good")
+    f = tmp_path / "b.json"
+    assert cli("baseline", "save", str(good), "--name", "b", "--out", str(f)).returncode == 0
+    data = json.loads(f.read_text())
+    data[field] = value
+    f.write_text(json.dumps(data))
+    one_line_exit_2(cli("compare", str(good), "--baseline", str(f)), field)
+    r = cli("oneshot", "--profile", "cpu", "--level", "quick", "--baseline", str(f), "--out", str(tmp_path / "runs"))
+    one_line_exit_2(r, field)
+    assert not list((tmp_path / "runs").glob("*/*"))
+
+
+def test_a_failure_while_comparing_never_loses_the_run(tmp_path, monkeypatch):
+    """The comparison breaking after the suites ran: results.json, the report and JUnit are still written,
+    and the verdict fails naming why."""
+    from nsa_validate import compare, profiles
+    from nsa_validate.run.finish import finish
+    from nsa_validate.schema import CaseRecord, SuiteResult
+
+    def broken(*a, **k):
+        raise AttributeError("'str' object has no attribute 'get'")
+    monkeypatch.setattr(compare, "compare", broken)
+    prof, _ = profiles.resolve("cpu", "quick")
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    results = {"sanity": SuiteResult("sanity", "pass", 1.0, [CaseRecord("a", "sanity", "pass")])}
+    res = finish(run_dir, {"run_id": "x/y", "suites": ["sanity"], "level": "quick"}, {"facts": {}}, prof, results,
+                 strict=False, status="complete", baseline={"name": "b", "cases": {}, "timings": {}})
+    assert res["verdict"]["status"] == "fail" and res["comparison"]["status"] == "error"
+    assert any("comparison with the baseline failed" in b for b in res["verdict"]["blocking"])
+    for f in ("results.json", "junit.xml", "report.md", "summary.txt"):
+        assert (run_dir / f).is_file(), f
+
+
+@pytest.mark.parametrize("cmd", ["suite", "merge"])
+def test_out_inside_a_run_folder_is_refused(tmp_path, cmd):
+    run = make_run(tmp_path, "run")
+    before = tree(run)
+    for out in (run, run / "sub"):
+        args = (["suite", "sanity", "--profile", "cpu", "--level", "quick"] if cmd == "suite" else ["merge", str(run)])
+        one_line_exit_2(cli(*args, "--out", str(out)), "inside the run folder")
+    assert tree(run) == before
+
+
+def test_an_error_that_went_away_is_not_a_regression(tmp_path):
+    """A baseline whose suite process errored (its stand-in case) against a healthy run: not a regression."""
+    base, now = make_run(tmp_path, "base"), make_run(tmp_path, "now")
+    res = json.loads((base / "results.json").read_text())
+    res["suites"]["decode"]["cases"].append({"id": "suite-process", "suite": "decode", "status": "error",
+                                             "reason": "exited 1"})
+    (base / "results.json").write_text(json.dumps(res))
+    r = cli("compare", str(now), "--baseline", str(base), "--json")
+    assert r.returncode == 0, r.stderr
+    assert {x["metric"]: x["verdict"] for x in json.loads(r.stdout)["rows"]}["decode/suite-process"] == "gone"
+
+
+@pytest.mark.parametrize("kind", ["failed", "empty"])
+def test_baseline_save_refuses_a_failed_or_empty_run_without_force(tmp_path, kind):
+    run = make_run(tmp_path, "run", parity="fail") if kind == "failed" else make_run(tmp_path, "run")
+    if kind == "empty":
+        res = json.loads((run / "results.json").read_text())
+        res["verdict"]["totals"] = dict(ZERO, skip=3)
+        (run / "results.json").write_text(json.dumps(res))
+    f = tmp_path / "b.json"
+    one_line_exit_2(cli("baseline", "save", str(run), "--name", "b", "--out", str(f)), "--force")
+    assert not f.exists()
+    r = cli("baseline", "save", str(run), "--name", "b", "--out", str(f), "--force")
+    assert r.returncode == 0 and f.is_file() and "warning" in r.stderr, r.stderr
+
+
+def test_an_invalid_k_expression_is_bad_input(tmp_path):
+    r = cli("suite", "sanity", "--profile", "cpu", "--level", "quick", "-k", "and or (", "--out", str(tmp_path / "o"))
+    one_line_exit_2(r, "-k")
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+@pytest.mark.parametrize("delay", [1.0, 2.0, 3.0])
+def test_a_sigint_while_torch_imports_is_kept(tmp_path, delay):
+    """SIGINT in the first seconds (the CLI importing torch, the environment check): the run stops with
+    exit 130, never a PASS; a folder, where one was made by then, is marked interrupted."""
+    p = _start(tmp_path, "--level", "quick", "-k", "short_sequences_finite and 1-fp32")
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "PASS" not in err
+    run = _run_dir(tmp_path)
+    if run is not None:
+        assert json.loads((run / "manifest.json").read_text())["status"] == "interrupted"
+
+
+def _git(d: Path, *args) -> None:
+    subprocess.run(["git", "-C", str(d), *args], check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+def test_a_copy_inside_another_repository_is_nogit(tmp_path):
+    """Provenance names the project's commit only where the project is the work tree's top."""
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f").write_text("x")
+    _git(tmp_path, "add", "f")
+    _git(tmp_path, "commit", "-q", "-m", "other project")
+    proj = tmp_path / "copy"
+    proj.mkdir()
+    assert rundir.git_info(proj) == {"commit": None, "short": "nogit", "dirty": False}
+    assert rundir.git_info(tmp_path)["short"] != "nogit"
+
+
+def test_the_tools_own_files_do_not_make_a_clean_tree_dirty(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "cpu.yaml").write_text("name: cpu\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "clean")
+    (tmp_path / "profiles" / ".cpu.yaml.lock").write_text("")
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "h200.json").write_text("{}")
+    assert rundir.git_info(tmp_path)["dirty"] is False
+    (tmp_path / "profiles" / "cpu.yaml").write_text("name: edited\n")
+    assert rundir.git_info(tmp_path)["dirty"] is True
+
+
+def test_baseline_save_writes_through_a_link_and_refuses_system_folders(tmp_path):
+    run = make_run(tmp_path, "run")
+    real = tmp_path / "shared" / "b.json"
+    real.parent.mkdir()
+    assert cli("baseline", "save", str(run), "--name", "b", "--out", str(real)).returncode == 0
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert cli("baseline", "save", str(run), "--name", "c", "--out", str(link)).returncode == 0
+    assert link.is_symlink() and json.loads(real.read_text())["name"] == "c"
+    one_line_exit_2(cli("baseline", "save", str(run), "--name", "b", "--out", "/etc/nsa-validate-test.json"), "system")
+    assert not Path("/etc/nsa-validate-test.json").exists()
+
+
+def test_a_folder_given_as_a_profile_is_named_so(tmp_path):
+    one_line_exit_2(cli("suite", "sanity", "--profile", str(tmp_path), "--out", str(tmp_path / "o")), "is a folder")
+
+
+def test_headlines_of_unfinished_runs_say_what_stopped_them():
+    from nsa_validate.run.finish import _unfinished_headline
+    from nsa_validate.schema import SuiteResult
+    assert "environment broken" in _unfinished_headline("env-broken", {}, {})
+    h = _unfinished_headline("interrupted", {"sanity": SuiteResult("sanity", "pass", cases=[]),
+                                             "triton": SuiteResult("triton", "error", cases=[])}, {})
+    assert h.startswith("FAIL: run interrupted") and "triton stopped" in h and "errored" not in h
+
+
+def test_merge_counts_a_run_named_twice_once_and_a_cpu_key_reads_plainly(tmp_path):
+    run = make_run(tmp_path, "run")
+    r = cli("merge", str(run), str(tmp_path / "." / "run"), "--out", str(tmp_path / "m"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["runs"] == 1, r.stderr
+    cpu = make_run(tmp_path, "cpu", gpu={"name": "none (CPU)"})
+    res = json.loads((cpu / "results.json").read_text())
+    res["env"]["facts"].pop("gpu")
+    (cpu / "results.json").write_text(json.dumps(res))
+    r = cli("compare", str(cpu), "--baseline", str(run))
+    one_line_exit_2(r, "made on a CPU with profile sm90")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_dies_with_its_parent(tmp_path):
+    """``orphans.die_with_parent``, which the environment probe, git, ncu, the decode loop and the suites
+    start their children with: the parent SIGKILLed, the child goes too (no ppid-1 leftovers)."""
+    script = ("import subprocess, sys, time\n"
+              "from nsa_validate import orphans\n"
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+              " preexec_fn=orphans.die_with_parent())\n"
+              "print(c.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    p.kill()
+    p.wait(timeout=10)
+
+    def gone() -> bool:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state == "Z"
+    assert _wait_for(gone, timeout=10), f"child {child} outlived its parent"
+
+
+@pytest.mark.parametrize("kind", ["env", "metrics", "tables", "suggest", "median", "deep", "manifest-suites"])
+def test_malformed_nested_fields_are_one_line(tmp_path, kind):
+    """Nested fields readers compute with are checked at load, in one place (``schema.check_results``):
+    report, compare, merge, baseline save and profile suggest give one line and exit 2, under --json a
+    JSON error object too."""
+    run = make_run(tmp_path, "run")
+    f = run / "results.json"
+    res = json.loads(f.read_text())
+    dec = res["suites"]["decode"]
+    if kind == "env":
+        res["env"] = "x"
+    elif kind == "metrics":
+        dec["cases"][0]["metrics"] = [1, 2]
+    elif kind == "tables":
+        dec["extra"]["tables"] = "x"
+    elif kind == "suggest":
+        dec["extra"]["suggest"] = [1]
+    elif kind == "median":
+        dec["cases"][1]["metrics"]["graph"]["median_ms"] = "x"
+    elif kind == "manifest-suites":
+        res["manifest"]["suites"] = 5
+    f.write_text(json.dumps(res) if kind != "deep" else "[" * 100_000 + "]" * 100_000)
+    good = make_run(tmp_path, "good")
+    for args in (["report", str(run), "--embed-plots"], ["compare", str(run), "--baseline", str(good)],
+                 ["compare", str(good), "--baseline", str(run)], ["merge", str(run), "--out", str(tmp_path / "m")],
+                 ["baseline", "save", str(run), "--name", "x", "--out", str(tmp_path / "x.json")],
+                 ["profile", "suggest", str(run)]):
+        r = cli(*args, "--json")
+        one_line_exit_2(r)
+        assert json.loads(r.stdout.strip().splitlines()[-1])["exit_code"] == 2, (args, r.stdout)
+
+
+@pytest.mark.parametrize("line", [b'{"id": "a", "suite": "sanity", "status": "pass", "nope": 1}', b"[1, 2]", b"42",
+                                  b'{"id": "a", "suite": "sanity", "status": "weird"}', b'{"collected": "many"}',
+                                  b'{"id": "\\xff\\xfe", "suite": "sanity", "status": "pass"}\xff'])
+def test_repair_skips_a_malformed_record_with_a_warning(tmp_path, line):
+    """A damaged records line: ``repair`` finishes the run, the line skipped and named in an error case."""
+    run = tmp_path / "r"
+    (run / "suites").mkdir(parents=True)
+    (run / "logs").mkdir()
+    good = json.dumps({"id": "b", "suite": "sanity", "status": "pass"}).encode()
+    (run / "suites" / "sanity.records.jsonl").write_bytes(b'{"collected": 2}\n' + good + b"\n" + line + b"\n")
+    (run / "manifest.json").write_text(json.dumps({"status": "running", "pid": _dead_pid(), "host": os.uname().nodename,
+                                                   "suites": ["sanity"], "profile": "cpu"}))
+    r = cli("repair", str(run))
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+    cases = {c["id"]: c for c in json.loads((run / "results.json").read_text())["suites"]["sanity"]["cases"]}
+    assert cases["b"]["status"] == "pass"
+    if line.startswith(b'{"id": "\\xff'):          # the bytes are replaced: a record still
+        return
+    assert cases["suite-records"]["status"] == "error" and "malformed" in cases["suite-records"]["reason"]

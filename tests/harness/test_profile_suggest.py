@@ -76,3 +76,48 @@ def test_run_without_a_recommendation_is_bad_input(tmp_path):
     assert r.returncode == 2 and "no routing recommendation" in r.stderr and "Traceback" not in r.stderr
     r = cli("profile", "suggest", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no results.json" in r.stderr
+
+
+# -- issue 64: the file the run used, the key it names, nothing else ---------------------
+def test_apply_edits_the_top_level_routing_key_only():
+    """A key of the same name elsewhere (here under suites) is left alone; a flow-style routing or a file
+    that is not a profile is refused, not edited."""
+    import pytest
+
+    from nsa_validate import thresholds
+    text = ("name: x\nsuites:\n  layer:\n    routing:\n      sel_triton_min_len: 5   # not this one\n"
+            "routing:\n  # the threshold\n  sel_triton_min_len: 1024  # this one\n  fa2_backend: auto\n")
+    out = thresholds.rewrite_routing(text, {"sel_triton_min_len": 4096}, "# h\n")
+    data = yaml.safe_load(out)
+    assert data["routing"]["sel_triton_min_len"] == 4096 and data["suites"]["layer"]["routing"]["sel_triton_min_len"] == 5
+    assert "# this one" in out and "# not this one" in out
+    for bad in ("routing: {sel_triton_min_len: 1024}\n", "sel_triton_min_len: 1024\n", "[1, 2]\n"):
+        with pytest.raises(ValueError):
+            thresholds.rewrite_routing(bad, {"sel_triton_min_len": 4096}, "# h\n")
+
+
+def test_apply_refuses_a_shipped_profile_and_a_relative_source(tmp_path):
+    shipped = REPO / "profiles" / "sm90.yaml"
+    before = shipped.read_text()
+    for source in (str(shipped), "profiles/sm90.yaml"):
+        (d := tmp_path / source.replace("/", "_")).mkdir()
+        prof, run = _run(d, SUGGEST)
+        res = json.loads((run / "results.json").read_text())
+        res["manifest"]["profile_source"] = source
+        (run / "results.json").write_text(json.dumps(res))
+        r = cli("profile", "suggest", str(run), "--apply")
+        assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
+    assert shipped.read_text() == before
+
+
+def test_apply_writes_through_a_linked_profile_and_keeps_one_header(tmp_path):
+    prof, run = _run(tmp_path, SUGGEST)
+    link = tmp_path / "linked.yaml"
+    link.symlink_to(prof)
+    res = json.loads((run / "results.json").read_text())
+    res["manifest"]["profile_source"] = str(link)
+    (run / "results.json").write_text(json.dumps(res))
+    for _ in range(2):
+        assert cli("profile", "suggest", str(run), "--apply").returncode == 0
+    assert link.is_symlink() and yaml.safe_load(prof.read_text())["routing"]["fa2_min_len_cmp"] == 4096
+    assert prof.read_text().count("Suggested by `nsa-validate profile suggest`") == 1

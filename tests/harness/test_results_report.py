@@ -1,4 +1,5 @@
 """Results schema, verdict, JUnit and report rendering from results.json alone."""
+import pytest
 import json
 import xml.etree.ElementTree as ET
 
@@ -98,12 +99,29 @@ def test_junit_has_every_case(tmp_path):
     res = _results(tmp_path)
     junit.write(res, tmp_path / "j.xml")
     root = ET.parse(tmp_path / "j.xml").getroot()
-    cases = root.findall(".//testcase")
+    cases = [c for c in root.findall(".//testcase") if c.get("classname") != "nsa_validate.verdict"]
     assert len(cases) == 2 and root.find(".//skipped").get("message") == "no CUDA device"
     ts = root.find("testsuite")
     assert "timestamp" in ts.attrib and "hostname" in ts.attrib
     props = {p.get("name"): p.get("value") for p in ts.find("properties")}
     assert {"gpu", "commit", "profile", "level", "tool_version"} <= set(props)
+
+
+@pytest.mark.parametrize("blocking", [[], ["run env-broken"], ["fa2: not exercised in --strict (no CUDA device)"],
+                                      ["run interrupted", "regression vs baseline: decode/bench: 1 -> 2"]])
+def test_junit_fails_exactly_when_the_verdict_does(tmp_path, blocking):
+    """Every blocking verdict entry no failing testcase stands for fails a testcase of the verdict's own
+    testsuite (an environment failure, an interruption, strict skips, regressions); a run that passed
+    or is partial has one passing verdict testcase."""
+    res = _results(tmp_path)
+    res["verdict"]["blocking"] = blocking
+    res["verdict"]["status"] = "fail" if blocking else "partial"
+    junit.write(res, tmp_path / "j.xml")
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    failed = [tc.get("name") for tc in root.iter("testcase") if tc.find("failure") is not None]
+    assert failed == blocking
+    v = next(ts for ts in root.iter("testsuite") if ts.get("name") == "verdict")
+    assert int(v.get("failures")) == len(blocking) and int(v.get("tests")) == max(1, len(blocking))
 
 
 def test_nan_metrics_keep_json_valid(tmp_path):
