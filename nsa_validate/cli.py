@@ -394,9 +394,11 @@ def repair_cmd(run_dir: Path = typer.Argument(..., help="a run folder marked run
     """Mark a run folder left 'running' by a process that vanished (killed, machine lost) as
     interrupted, keeping every case its suites finished."""
     manifest = run.read_manifest(run_dir)
-    if manifest.get("status") != "running":
-        raise UsageError(f"'{run_dir}' is not marked running (status: {manifest.get('status')}); nothing to repair")
-    why = run.stale(manifest)
+    status = manifest.get("status")
+    failed_write = isinstance(status, str) and status.startswith("error: ")     # e.g. a full disk
+    if status != "running" and not failed_write:
+        raise UsageError(f"'{run_dir}' is not marked running (status: {status}); nothing to repair")
+    why = "its last write failed" if failed_write else run.stale(manifest)
     if why is None and not force:
         raise UsageError(f"'{run_dir}' may still be running (pid {manifest.get('pid')} on {manifest.get('host')}); "
                          f"pass --force if it is not")
@@ -531,7 +533,13 @@ def _os_error(e: OSError) -> str:
     """One line for a failed file operation: what, where, and (for a full disk) what to do."""
     where = f" '{e.filename}'" if e.filename else ""
     if e.errno == errno.ENOSPC:
-        return f"disk full writing{where}: free space and run again (the run folder, if any, is marked 'error: disk full')"
+        folder, what = getattr(e, "run_folder", (None, None))
+        then = {"marked": f"; the run folder {folder} is marked 'error: disk full' (`repair` finishes it once there "
+                          f"is space)",
+                "removed": f"; the run folder {folder} held nothing of the run and was removed",
+                "unmarked": f"; the run folder {folder} could not be marked and still says 'running' (`repair "
+                            f"--force` finishes it once there is space)"}.get(what, "")
+        return f"disk full writing{where}: free space and run again{then}"
     if e.errno == errno.ENAMETOOLONG:
         return f"path{where} is too long for this file system"
     return f"{e.strerror or e}{where}"

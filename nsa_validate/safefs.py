@@ -26,20 +26,23 @@ def atomic_write(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) in one rename; the temporary file is removed on
     failure. The file keeps the mode it had (a new one: 0666 less the umask, as open() gives)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:              # name the file the user knows, not our temporary one
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         try:
             mode = path.stat().st_mode & 0o7777
         except OSError:
             mode = 0o666 & ~_UMASK
         os.fchmod(fd, mode)          # mkstemp makes 0600: a colleague could not read the results
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
         try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:          # name the file the user knows, not our temporary one
+        except OSError as e:          # (a write error carries no file name; a rename's names ours)
             raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         with contextlib.suppress(OSError):

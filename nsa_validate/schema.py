@@ -173,10 +173,15 @@ def _clean(o):
     return o
 
 
+def to_json(data) -> str:
+    """The text this tool writes for ``data`` (``_clean``: NaN and Inf kept valid JSON)."""
+    return json.dumps(_clean(data), indent=2, sort_keys=False, default=str)
+
+
 def write_json(path: Path, data) -> None:
     """Atomically (``safefs.atomic_write``): a reader or a crash sees the old file or the new one."""
     from nsa_validate.safefs import atomic_write
-    atomic_write(path, json.dumps(_clean(data), indent=2, sort_keys=False, default=str))
+    atomic_write(path, to_json(data))
 
 
 def _expect(ok: bool, where: str, what: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nsa_validate import compare, junit, metrics_csv, profiles, report, rundir, safefs
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, verdict,
+from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, to_json, verdict,
                                  write_json)
 
 
@@ -100,15 +100,34 @@ def write_views(run_dir: Path, res: dict, embed_plots: bool = False) -> None:
 
 
 def mark_failed(run_dir: Path, manifest: dict, e: OSError) -> None:
-    """A write failed (a full disk, a folder made read-only): remove our temporary files and, when
-    the disk lets us, mark the folder ``error: <why>`` so no reader takes it for a running run."""
+    """A write failed (a full disk, a folder made read-only): remove our temporary files and mark the
+    folder ``error: <why>`` so no reader takes it for a running run: by a new file where the disk
+    allows, else by rewriting manifest.json in place (its blocks are already allocated). A folder
+    that holds nothing of the run (no manifest could be written) is removed. What was done is left
+    on ``e.run_folder`` (the folder, and "marked", "removed" or "unmarked") for the message."""
     for tmp in run_dir.rglob("*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
     why = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     manifest.update(ended=rundir.utc_now(), status=f"error: {why}")
-    with contextlib.suppress(OSError):
-        write_json(run_dir / "manifest.json", manifest)
+    path, marked = run_dir / "manifest.json", None
+    try:
+        write_json(path, manifest)
+        marked = run_dir
+    except OSError:
+        try:
+            if path.is_file():
+                with open(path, "r+", encoding="utf-8") as f:
+                    f.write(to_json(manifest))
+                    f.truncate()
+                marked = run_dir
+        except OSError:
+            pass
+    removed = marked is None and not any(p.is_file() for p in run_dir.rglob("*"))
+    if removed:
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+    e.run_folder = (run_dir, "marked" if marked else "removed" if removed else "unmarked")
 
 
 def read_manifest(run_dir: Path, required: bool = True) -> dict | None:
@@ -170,7 +189,8 @@ def repair(run_dir: Path, manifest: dict) -> dict:
     if done is not None and done["manifest"].get("status") not in (None, "running"):
         write_json(run_dir / "manifest.json", done["manifest"])
         return done
-    status = "interrupted (process vanished)"
+    was = manifest.get("status")
+    status = "interrupted (process vanished)" if was in (None, "running") else f"interrupted ({was})"
     try:
         env = read_json(run_dir / "env.json")
     except (OSError, ValueError):

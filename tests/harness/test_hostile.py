@@ -338,6 +338,48 @@ def test_a_full_disk_marks_the_folder_and_leaves_no_temp_files(tmp_path, monkeyp
     assert not list(run.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("free", ["in-place", "none"])
+def test_a_disk_that_fills_up_is_named_marked_and_repairable(tmp_path, monkeypatch, free):
+    """ENOSPC from results.json on, no new file can be made: the message names results.json; the
+    manifest is marked by rewriting it in place (its blocks exist), and ``repair`` finishes the folder
+    once there is space. With not a byte free from the start, nothing of the run is written: the
+    empty folder is removed and the message says so."""
+    import builtins
+
+    from nsa_validate import cli as nv
+    from nsa_validate import safefs
+    real_mkstemp, real_open = safefs.tempfile.mkstemp, builtins.open
+    full = [] if free == "in-place" else [1]         # "none": not a byte from the start
+
+    def mkstemp(*a, prefix="", **k):           # no new file once results.json is written
+        if prefix.startswith(".results.json.") or full:
+            full.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_mkstemp(*a, prefix=prefix, **k)
+
+    def opener(file, mode="r", *a, **k):
+        if full and free == "none" and ("w" in mode or "+" in mode or "a" in mode):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *a, **k)
+    monkeypatch.setattr(safefs.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(builtins, "open", opener)
+    with pytest.raises(OSError) as e:
+        nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path)))
+    monkeypatch.undo()
+    msg = nv._os_error(e.value)            # the one line the CLI prints
+    runs = [p for p in tmp_path.glob("*/*") if p.is_dir()]
+    if free == "none":
+        assert not runs and "manifest.json" in msg and "was removed" in msg, msg
+        return
+    assert "results.json" in msg, msg
+    (run,) = runs
+    assert json.loads((run / "manifest.json").read_text())["status"] == "error: disk full" and "is marked" in msg
+    r = cli("repair", str(run))
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+    res = json.loads((run / "results.json").read_text())
+    assert res["manifest"]["status"] == "interrupted (error: disk full)"
+
+
 # -- 7. profiles are range-checked -------------------------------------------------------------
 @pytest.mark.parametrize("path,value,field", [
     ("suites.sanity.batch", 0, "suites.sanity.batch"),
