@@ -757,3 +757,21 @@ def test_repair_skips_a_malformed_record_with_a_warning(tmp_path, line):
     if line.startswith(b'{"id": "\\xff'):          # the bytes are replaced: a record still
         return
     assert cases["suite-records"]["status"] == "error" and "malformed" in cases["suite-records"]["reason"]
+
+
+def test_a_failed_write_names_the_target_and_a_failed_merge_leaves_no_folder(tmp_path, monkeypatch):
+    """A read-only folder (as mkstemp reports it) names the file the user asked for, not our temporary
+    one; a merge whose report cannot be written leaves no half-made folder behind."""
+    from nsa_validate import cli as nv
+    from nsa_validate import safefs
+    run = make_run(tmp_path, "run")
+
+    def refused(*a, **k):
+        raise OSError(errno.EACCES, "Permission denied", str(tmp_path / ".fleet.md.abc.tmp"))
+    monkeypatch.setattr(safefs.tempfile, "mkstemp", refused)
+    with pytest.raises(OSError) as e:
+        safefs.atomic_write(tmp_path / "fleet.md", "x")
+    assert e.value.filename == str(tmp_path / "fleet.md")
+    with pytest.raises(OSError):
+        nv.merge_cmd([run], out=str(tmp_path / "m"), json_out=False)
+    assert not list((tmp_path / "m").glob("fleet/*"))
