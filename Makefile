@@ -24,7 +24,7 @@ oneshot: $(STAMP)
 	@$(VENV)/bin/nsa-validate oneshot $(ARGS)
 
 test: $(STAMP)
-	@$(PY) -m pytest -q $(ARGS)
+	@$(PY) -m pytest -q --durations=10 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
