@@ -13,21 +13,12 @@ the same work as device operations of fixed shapes, so a whole layer step (proje
   ``_fc2_kernel`` adds them up with the bias and applies silu and fc2 (and the gate's sigmoid). φ runs
   every step: its fc1 programs gather the span from the cache, token t from the new token's own row
   (it is not in the cache yet), plus the intra-block position embedding (the prefill's φ folds it
-  into fc1's bias instead, which saves it a pass over all the spans, but here the gather adds it for
+  into fc1's bias instead, which saves it a pass over all the spans; here the gather adds it for
   free; both forms are checked against the oracle), and its fc2 programs write compressed slot
-  (t+1−l)/d only where token t completes that span. φ's two launches replaced ten (the span gather;
-  fc1, cuBLAS's split-K reduce, silu and fc2 for each of k and v in torch; the store): H100, paper
-  config, bf16, the whole layer step graph-replayed at 64k after the read flush, B=1 88.9 vs 95.7 µs,
-  B=16 177.5 vs 188.7 (two machines, one run each, not alternated). A first version whose fc2 program
-  added the K-split partials one dependent load at a time and whose fc1 read W1 across its rows
-  (uncoalesced) took 164.4 / 454.0 µs. With the gate moved into these two launches (from torch's
-  four), smaller fc1 programs (128 inputs rather than 512) and an fc2 program per 32 outputs rather
-  than per row, the append moved into the attention step and the position update into one launch,
-  the layer step went from 89.3-94.6 to 68.2-68.7 µs at B=1, 64k, from 111.9-113.1 to 87.0-87.2 at
-  B=4, from 176.3-176.9 to 151.3-151.6 at B=16 (H100, one process, rounds alternating: ``MLP_BK``).
-  (φ = mean: the gather, a torch mean and ``_store_kernel``; the two launches then hold the gate
-  alone.) A fixed set of launches instead of a data-dependent branch (the torch
-  gather/where/index_put version of this took ~30 launches, ~100 µs of a step);
+  (t+1−l)/d only where token t completes that span: a fixed set of launches instead of a
+  data-dependent branch, so the step can be captured. (φ = mean: the gather, a torch mean and
+  ``_store_kernel``; the two launches then hold the gate alone.) What these launches replaced and
+  measured: ``docs/decisions.md``;
 * the three branches and the gate mix run in ``kernels.decode.DecodeStep``, whose first launch
   appends the new token to the cache, as in the attention step the decode bench times.
 
@@ -47,15 +38,8 @@ from nsa_core.cuda_graph import capturing
 from nsa_core.module import StepInfo
 
 # fc1 of the step's small MLPs (φ for k and v, the gate): inputs per program (a K-chunk), per product, and columns
-# per program; warps of an fc2 program (which takes BJ = 32 outputs). H100, paper config, bf16, the whole layer step
-# graph-replayed at 64k after the read flush, three rounds rotating the order in one process, us at B=1 / 4 / 16, by
-# (inputs a fc1 program, fc2 warps, outputs a fc2 program): 128, 4, 32: 68.2-68.7 / 87.0-87.2 / 151.3-151.6;
-# 64, 4, 32: 69.6-70.3 / 88.2-88.6 / 155.0-156.2; 128, 2, 32: 68.9-69.2 / 87.1-87.8 / 151.0-151.3; 128, 4, 64:
-# 70.1-70.4 / 88.5-88.9 / 150.7-150.9; 128, 4, all (a program a row) 88.1-88.5 / 103.7-104.0 / 166.4-166.6. In an
-# earlier run of the same script: 256, 4, 32: 70.3-70.5 / 89.3-89.5 / 155.8-156.4; 512, 4, 32: 78.2-78.7 /
-# 96.8-97.0 / 168.3-168.4; 256, 8, 32: 71.9-72.3 / 91.4-92.0 / 162.7-163.1; 128, 8, 32: 69.9-70.0 / 88.7-89.2 /
-# 154.3-154.7. c2b170a's step (φ's fc1 over 512 inputs a program, an fc2 program a row, the gate in torch's four
-# launches, the append and the position update launches of their own): 89.3-94.6 / 111.9-113.1 / 176.3-176.9.
+# per program; warps of an fc2 program (which takes BJ = 32 outputs). The fastest of the settings swept on an H100
+# (docs/decisions.md)
 MLP_BK, MLP_KC, MLP_BN = 128, 128, 64
 FC2_WARPS = 4
 
