@@ -246,57 +246,12 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     settings first, then smaller ones for a GPU with less shared memory per block
     (``common.launch_fitting`` runs the first that loads).
 
-    From a sweep on an H200 at 64k, H=64, G=4, d=128, bf16 (warps 2/4/8 x stages 1-4): fwd 2
-    warps / 2 stages 15.4 ms (4 warps / 3 stages: 18.0 ms); dq 2/2 best; dk/dv 4 warps, stages
-    indifferent (2 warps and >1 stage collapse to 0.6-1.2 s). On an H100 at 64k with d_k in two
-    power-of-two parts (192 = 128 + 64): d_k=192 fwd 2 warps 22.4 ms (4 warps 22.6, 8: 28.2; with
-    d_k padded to 256 and 4 warps the layer's stage took 27.2), dq 2 warps (backward 62.7; 8 warps
-    67.4), dk/dv 32 rows / 4 warps (backward 51.0; 128 rows / 8 warps 51.5; 64 rows 62.9-63.0);
-    d=128 unchanged (fwd 17.3 ms, backward 35.5-36.3).
+    The measured settings are the fastest of sweeps on an H200 and an H100 at 64k; those sweeps, and
+    the loads and program shapes tried and not taken, are in docs/decisions.md.
     """
     wide = max(BDK, BDV) > 128
-    # Measured on an H100 at the same shape (ncu): fwd and dq move 137-142 GB through L2 (the
-    # selected K/V blocks; 5.7-8.7 GB from DRAM) at 76-79% of L2 peak: bandwidth-bound, not
-    # compute-bound. Loading the blocks as TMA tiles (host TensorDescriptor, triton 3.6, whole
-    # 64-row tiles zeroed past the query) was slower at every warps/stages tried: fwd 27.6-105 ms
-    # vs 17.2, dq 28-107 ms vs 17.8. As mdy666's flash-nsa loads them (1 warp, descriptor tiles
-    # [64, 1, d] used as loaded, masked pointer loads only for the query's own block, the one block
-    # that reaches past it) the forward gained little (H100, bf16, 2 stages, ms): d=128 8k 1.82 vs
-    # 1.96, 16k 3.95 vs 4.01, 64k 16.6 vs 16.8; d_k=192 8k 2.57 vs 2.58, 64k 24.4 vs 22.0 (3 stages
-    # 22.2; 2 warps slower everywhere) -- not taken. A program walking 2, 4 or 8 consecutive tokens in turn (so
-    # the blocks neighbours share, block 0 and the local two, could come from L1) was slower too:
-    # fwd 18.5-19.9 vs 17.4 ms, backward 35.1-37.3 vs 34.7 ms (d 128; d_k 192 likewise). So was a
-    # forward program of two consecutive tokens loading a block both selected once (the second
-    # token's load masked off; its scores and p·v then two products each): 23.1-29.5 ms with 2-4
-    # warps and 2 stages vs 16.8 at 64k, d 128 (8k 2.9-3.5 vs 1.9; d_k 192 27.4-57.3 vs 21.9).
-    # What sharing the forced blocks (0 and the two local ones, 19% of the slots) between neighbours
-    # could save at most: with those slots masked off (loads skipped, products kept) the forward took
-    # 1.87-1.88 vs 1.94-1.96 ms at 8k, 15.5-15.6 vs 16.9-17.0 at 64k; the backward 4.01-4.02 vs
-    # 4.29-4.34 and 30.0-30.1 vs 33.8-33.9 (d 128). A forward program of 2 or 4 consecutive tokens
-    # that loads those three blocks once for all of them, then each token's other 13: 16.93-17.01 vs
-    # 17.04-17.07 ms at 64k and 2.02 vs 1.94 at 8k with 2 tokens / 2 warps; 4 warps 21.8-22.4 ms at
-    # 64k (4 tokens; 8 warps 37.6). And the K/V loads through L1 (``cache_modifier=".ca"``), so that the
-    # blocks neighbours on an SM share could hit there: Triton 3.6 pipelines them as cp.async.cg all the same
-    # (the PTX has no .ca copy; H100, layer's block lists, 1.939-1.962 vs 1.941-1.959 ms at 8k, 16.9-17.4 at
-    # 64k both), and unpipelined (1 stage, ld.global.ca) they took 2.77 / 22.6-22.7 ms. The same session's sweep
-    # with the scorer's block lists (H100, do_bench, four rounds, ms at 8k / 16k / 64k): 2 warps / 2 stages
-    # 1.94-1.97 / 3.99-4.00 / 16.9-17.1; 4 / 2 2.02-2.03 / 4.11-4.18 / 17.3-17.5; 2 / 3 2.16-2.17 / 4.30-4.37 /
-    # 17.9-18.2; 2 / 1 2.78-2.81 / 5.57-5.61 / 22.7; 4 / 1 2.81-2.83 / 5.64-5.68 / 22.9-23.1; 1 / 2 2.70 / 5.73-5.76
-    # / 24.6.
-    # At 8k alone, with synthetic block lists (forced blocks plus 13 random causal ones), 4 warps / 2 stages
-    # came out ahead of 2 / 2 (H100: 2.13 vs 2.22 ms; 16k 4.36 vs 4.12, 64k 17.9 vs 17.1), but not in the
-    # layer, whose scorer picks the blocks: forward at 8k 4.09-4.19 vs 3.99-4.11 ms (five rounds alternating;
-    # 16k 8.49-8.68 vs 8.50-8.73, 4k 2.53-2.54 vs 2.48-2.61) -- not taken.
-    # The block loops warp-specialized (``tl.range(warp_specialize=True)``, Triton 3.6; H100, 64k, d 128, the
-    # scorer's blocks, do_bench, three rounds, ms): fwd 17.1-17.5 vs 16.9-17.1 (8 warps 23.7); whole backward
-    # with dq specialized 33.0-36.2 vs 32.8-34.5 (8 warps 37.2-38.7); dk/dv: the NVGPUWarpSpecialization pass
-    # fails at 4 warps, 8 warps 43.1-45.9 vs 32.9-33.6 -- not taken.
-    # dk/dv on an H100 at the same shape: 64 or 128 rows x segments of 512-4096 queries x 4/8
-    # warps all land at 35.9-38.0 ms for the whole backward (8 warps with 64 rows: ~49 ms). With
-    # the scores computed key-major (k·qᵀ, no register transpose of p and dS): whole backward 34.0
-    # vs 36.0 ms at d=128 (dk/dv kernel 14.1 vs 16.0 ms in the layer), 44.1 vs 49.6 ms at d_k=192;
-    # rows 32 the same (34.0 / 43.7), 128 rows or 8 warps 47-67 ms. (The compressed dk/dv kernel,
-    # written the same way, was no faster at d=128 and slower at d_k=192: 76.0 vs 50.8 ms.)
+    # fwd and dq are L2-bandwidth-bound (the selected K/V blocks), not compute-bound: what was tried
+    # on the loads is in docs/decisions.md
     if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
         return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
                 {"num_warps": 4, "rows": 16, "num_stages": 1}]
@@ -362,42 +317,8 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     return out, lse
 
 
-# queries per dk/dv program: a block every query selected (block 0) is split up. H100, bf16, whole
-# selection backward (ms, two rounds) with 256 / 512 / 1024 / 2048: d=128 8k 4.22-4.24 / 4.14-4.16 /
-# 4.31-4.33 / 4.79-4.80, 16k 8.44-8.57 / 8.26-8.75 / 8.30-8.35 / 8.56-8.72, 64k 35.3 / 34.5-34.6 /
-# 33.8-34.3 / 33.7-33.8; d_k=192 8k 5.17-5.20 / 5.12-5.16 / 5.32-5.53 / 5.82-5.89, 64k 44.2-44.5 /
-# 42.7-43.9 / 42.0-43.1 / 42.2-42.6: within ~5% of the best everywhere. Also measured, not taken:
-# buckets cut by token span as well (g, ⌊t/span⌋, block), so that the segments running together read
-# the q and dO rows of a few thousand tokens, which stay in L2. At 64k, d 128 (ncu, dk/dv kernel)
-# DRAM reads fell from 29.7 to 24.3 / 20.0 GB with spans of 8192 / 4096 (L2 hit rate 32 -> 43 / 52%)
-# but the kernel took 13.72 / 14.22 ms vs 13.67: it is not waiting on DRAM. Whole backward: 64k
-# 32.6-33.4 vs 32.5-32.6 ms (d_k 192 40.9-42.1 vs 41.0-41.1), 16k 8.1 vs 8.8-9.0, 8k the same; more
-# segments (their fp32 partials: 0.4-1.9 GiB more peak memory at 64k). ncu on the dk/dv kernel there
-# (d 128, 64 rows / 4 warps): 255 registers, 154.6 M local-memory spill requests, 2 programs per SM
-# (registers and shared memory each allow 2: 12.5% occupancy), 0.39 eligible warps per scheduler.
-# 32 rows compile with 236 registers and no spill, but the whole backward was no faster, alternating
-# in one process: 32.9-37.4 vs 32.8-33.5 ms at 64k, 8.2-8.6 vs 8.2-8.7 at 16k, 4.34-4.38 vs 4.29-4.47 at 8k
-# Also measured, not taken: the dk/dv kernel beside the dq kernel rather than after it, so that the L2-bound dq
-# and the latency-bound dk/dv share the SMs: delta, the gate's gradient and lse − ln g from a pass of their
-# own (which dk/dv then needs instead of dq's), dk/dv as a persistent grid of P programs on a second stream
-# (a grid of one program per segment fills the GPU, and a kernel launched beside it waits for its tail).
-# H100, 64k, H=64, G=4, d 128, bf16, gated, the layer's blocks and first row, CUDA events, two rounds, ms:
-# shipped 32.9 / 34.3; dk/dv first, P = 132 / 264 / 528: 33.9-46.1 / 36.2-36.3 / 34.2-35.4; dq first
-# 34.0-45.9 / 34.5-36.4 / 35.9-36.5; one stream 43.1-43.4 / 38.4-38.5 / 36.6-37.2. Alone (each with the
-# pass, the reverse index and the reduce): dq 20.0, dk/dv with P = 264 or 528 18.6 (132: 25.6): the two
-# overlap by ~3 ms, and the pass and the persistent grid cost about that.
-# Measured and not taken: the dq kernel reads half its bytes (the selected blocks' V) only to form dP = dO·Vᵀ,
-# which the dk/dv kernel forms too. Built (the reverse index carrying each entry's slot; the dk/dv kernel storing
-# dSᵀ into a [T, G, n, h, l'] buffer; a dq kernel reading K and that dS, no V; delta, the gate's gradient and
-# lse − ln g from a pass of their own first, since dk/dv now runs before dq): dk and dv bit-identical, dq within
-# bf16 rounding (max |diff| 0.002, relative RMS 1e-4). H100, 64k, H=64, G=4, d 128, bf16, gated, random causal
-# block lists with the forced blocks, do_bench and torch.profiler, three rounds, ms: whole selection backward
-# 29.4-29.7 vs 32.4-34.1 (delta pass 0.79, dk/dv 17.7-17.9 with the stores vs 13.3-15.1, dq 9.4 vs 17.7-20.0,
-# reduce 0.53 both). In the layer (`bench.layer.build`, sm90 routing, CUDA events, two rounds of four): fwd+bwd
-# 131.1-146.4 vs 132.6-143.9 ms at 128/128 (medians ~2-3 ms lower), 178.1-182.1 vs 177.5-186.2 at 192/128 (no
-# gain shown), for 8 GiB more at the peak (15.4 vs 7.4 GiB above the inputs at 128/128, 16.6 vs 8.6 at 192/128):
-# dS is T·G·n·h·l' elements. Cutting that by running dk/dv and dq over chunks of queries would add partials
-# (segments bucketed by chunk) and launches to a gain already within the layer's spread.
+# queries per dk/dv program: a block every query selected (block 0) is split up; 1024 was within ~5% of
+# the best of 256-2048 everywhere measured (docs/decisions.md, with the restructurings tried)
 SEGMENT = 1024
 
 
