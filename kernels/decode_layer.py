@@ -399,7 +399,7 @@ class LayerDecodeStep:
                 return out, StepInfo.packed(lambda: info, list(self.last.reads))
             if torch.cuda.is_current_stream_capturing():
                 return self.record(x, length)
-            return self._replay(x, length)
+            return self.replay(x, length)
 
     @torch.no_grad()
     def record(self, x: torch.Tensor, length: int | None = None):
@@ -417,15 +417,12 @@ class LayerDecodeStep:
         self.length = held                 # the host's view: recording decoded nothing
         return out, StepInfo.packed(lambda: info, list(self.last.reads))
 
-    @torch.no_grad()
     def replay(self, x: torch.Tensor, length: int | None = None):
-        """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only): one
-        graph launch instead of a dozen kernel launches from Python, and one copy of its results. Captured
-        again where x's shape or dtype, or where a parameter of the module lives (its ``data_ptr``: a
-        parameter replaced, or moved by ``.to()``), is not what it was captured for."""
-        return self._replay(x, length)
-
-    def _replay(self, x: torch.Tensor, length: int | None):
+        """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only; under
+        ``torch.no_grad``, as ``decode`` calls it): one graph launch instead of a dozen kernel launches
+        from Python, and one copy of its results. Captured again where x's shape or dtype, or where a
+        parameter of the module lives (its ``data_ptr``: a parameter replaced, or moved by ``.to()``),
+        is not what it was captured for."""
         # the host's work per token, which a decode loop that calls the layer from Python waits on: a check of
         # the key, the input's copy, the graph's launch and one copy of its results (out and the reads and blocks
         # share one buffer); the reads and blocks are cut out of it only when asked for (``StepInfo.packed``)

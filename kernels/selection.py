@@ -246,8 +246,8 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     settings first, then smaller ones for a GPU with less shared memory per block
     (``common.launch_fitting`` runs the first that loads).
 
-    The measured settings are the fastest of sweeps on an H200 and an H100 at 64k; those sweeps, and
-    the loads and program shapes tried and not taken, are in docs/decisions.md.
+    The measured settings are the fastest of the warps / stages sweeps at 64k; the sweeps and the other
+    loads and program shapes compared are in docs/decisions.md.
     """
     wide = max(BDK, BDV) > 128
     # fwd and dq are L2-bandwidth-bound (the selected K/V blocks), not compute-bound: what was tried

@@ -88,8 +88,7 @@ def from_results(res: dict, source: str, name: str | None = None) -> dict:
     return {"baseline_version": BASELINE_VERSION, "name": name, "source": source, **machine_key(res),
             "commit": res["manifest"].get("commit"), "dirty": res["manifest"].get("dirty"),
             "created": res["manifest"].get("started"), "versions": versions(res),
-            "suites": [str(x) for x in (res["manifest"].get("suites") if isinstance(res["manifest"].get("suites"), list)
-                                        else res["suites"])],
+            "suites": list(res["manifest"].get("suites") or res["suites"]),
             "cases": {f"{n}/{c['id']}": c["status"] for n, s in res["suites"].items() for c in s["cases"]
                       if not c.get("placeholder") and c["id"] != "not-run"},
             "timings": timings(res)}
@@ -165,7 +164,7 @@ def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) ->
     p = rundir.resolve(rundir.expand(path))
     if p.is_dir():
         raise UsageError(f"--out '{path}' is a folder; give the baseline file to write (e.g. baselines/NAME.json)")
-    if p == Path("/") or any(p == d or d in p.parents for d in rundir.SYSTEM_DIRS):
+    if rundir.is_system_location(p):
         raise UsageError(f"--out '{path}' is a system location ({p}); write the baseline to a folder of your own")
     if (anc := rundir.enclosing_run(p)) is not None:
         raise UsageError(f"--out '{path}' is inside the run folder '{anc}'; a baseline never writes into a run")

@@ -96,7 +96,7 @@ def check_out(out: str | None) -> Path:
             raise UsageError("--out is empty; give the folder to put run folders in")
         root = expand(out)
         real = resolve(root)
-        if real == Path("/") or any(real == d or d in real.parents for d in SYSTEM_DIRS):
+        if is_system_location(real):
             raise UsageError(f"--out '{out}' is a system location ({real}); choose a folder of your own")
         if any(real == d or d in real.parents for d in PACKAGE_DIRS):
             raise UsageError(f"--out '{out}' is inside the tool's own code ({real}); choose another folder")
@@ -113,6 +113,11 @@ def check_out(out: str | None) -> Path:
     except OSError as e:
         raise UsageError(f"--out '{root}' is not writable ({e.strerror or e})") from None
     return root
+
+
+def is_system_location(path: Path) -> bool:
+    """``path`` (resolved) is ``/`` or lies in one of the system's own folders (``SYSTEM_DIRS``)."""
+    return path == Path("/") or any(path == d or d in path.parents for d in SYSTEM_DIRS)
 
 
 def enclosing_run(path: Path) -> Path | None:

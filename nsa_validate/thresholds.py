@@ -36,7 +36,6 @@ def rewrite_routing(text: str, values: dict[str, object], header: str) -> str:
     everything else kept); ``values`` pass ``check_suggestion`` first. Only a block-style ``routing:``
     mapping is edited, its keys at the block's own indentation; the result is parsed again and must
     differ from the original in those keys alone (ValueError otherwise, naming why)."""
-    import yaml
     check_suggestion(values)
     before = _parsed_profile(text)
     lines = text.splitlines(keepends=True)
@@ -63,7 +62,6 @@ def rewrite_routing(text: str, values: dict[str, object], header: str) -> str:
         raise ValueError("the edit would change more than the routing keys suggested (edit it by hand)")
     # an earlier suggestion's header is replaced, not stacked
     out = re.sub(rf"\A(?:{re.escape(HEADER_MARK)}[^\n]*\n(?:#   [^\n]*\n)?)+", "", out)
-    yaml.safe_load(header + out)
     return header + out
 
 

@@ -298,8 +298,8 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
 
 
 # calls queued behind one GPU sleep when ``loop`` measures the host's cost: a decode call queues a few
-# operations (a graph launch, copies), and 256 calls filled the launch queue (H200: a "host cost" of 0.28 ms a
-# call where the loop took 0.14 ms a call back to back, since the host waited for room in the queue)
+# operations (a graph launch, copies), and a few hundred of them fill the launch queue, where the host would
+# wait for room (docs/decisions.md)
 HOST_CHUNK = 16
 
 
@@ -352,15 +352,14 @@ def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmu
     events = a.elapsed_time(b) / calls
     # the host's cost: per chunk, the GPU held asleep for longer than the host takes to issue the chunk's
     # calls (four times their wall time above, plus 0.2 ms), then those calls timed on the host alone
-    spent, i = 0.0, warmup
-    while i < warmup + calls:
-        chunk = range(i, min(i + HOST_CHUNK, warmup + calls))
+    spent = 0.0
+    for start in range(warmup, warmup + calls, HOST_CHUNK):
+        chunk = range(start, min(start + HOST_CHUNK, warmup + calls))
         torch.cuda._sleep(int((4 * wall * len(chunk) + 0.2) * _sleep_cycles_per_ms()))
         t0 = time.perf_counter()
-        for j in chunk:
-            fn(j)
+        for i in chunk:
+            fn(i)
         spent += time.perf_counter() - t0
         torch.cuda.synchronize()
-        i = chunk.stop
     host = spent * 1e3 / calls
     return LoopTiming("cuda_events", calls, wall, events, host)

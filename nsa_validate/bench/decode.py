@@ -168,8 +168,8 @@ def loop_in_fresh_process(paper: bool, B: int, S: int, capacity: int, dtype: str
                           timeout_s: float = 300):
     """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens, the layer's weights from ``seed``)
     in a new Python process, ``python -m nsa_validate.bench.decode --loop``: as a user's script runs it, with
-    none of the harness's state. (Inside a suite's process the host's cost a call came out up to twice a fresh
-    process's: H200, B=1, 64k, 126-140 vs 79 µs a token.) -> timing.LoopTiming."""
+    none of the harness's state (inside a suite's process the host's cost a call came out up to twice a fresh
+    process's: docs/decisions.md). -> timing.LoopTiming."""
     import json
     import subprocess
     import sys

@@ -6,6 +6,7 @@ once on a GPU (``gpu_share``), or sharded over GPUs; SIGINT/SIGTERM/SIGHUP stop 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -69,9 +70,7 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
     ``error: <why>`` and propagates. ``stop``: signal handling the caller installed already (before it
     imported torch: a signal there would be lost); a signal before the run folder exists raises
     KeyboardInterrupt and leaves no folder."""
-    if stop is not None:
-        return _execute(req, listener or Listener(), stop)
-    with Stop() as stop:
+    with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
         return _execute(req, listener or Listener(), stop)
 
 
