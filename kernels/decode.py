@@ -612,13 +612,19 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE, POS, n_sm,
                    CP: tl.constexpr, NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
                    NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr, BLOCK: tl.constexpr,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
-                   HALVINGS: tl.constexpr, GDC: tl.constexpr = 0):
+                   HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, IDLE_EXIT: tl.constexpr = False):
     """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP],
     for the blocks up to the new token's (the top-n ranks no other; a program past them does nothing)."""
     bg = tl.program_id(0)
     # the position is written by work that ended two launches back or more (``_grid_dependency``): read
     # while the compressed launch finishes
     t = tl.load(POS + bg // G)
+    if IDLE_EXIT:
+        # past the new token's block (a cache with room to grow): done before waiting, so that such programs
+        # free their slots while the compressed launch still runs. Only under the late trigger: at few rows
+        # (GDC 2) this branch made the step slower even where no program takes it (docs/decisions.md)
+        if tl.program_id(1) * BJ > t // BLOCK:
+            return
     _grid_dependency(GDC)
     j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     # a program past the new token's block loads nothing and stores nothing (masks, not a branch: a
@@ -675,8 +681,22 @@ def _topn_keys(SCORE, bg, cur, j0, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.c
 
 
 @triton.jit
+def _topn_chunks(SCORE, bg, cur, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
+    """The best KP keys among the free causal blocks 0..cur of row bg, CH blocks at a time."""
+    top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    for j0 in tl.range(0, cur + 1, CH):
+        key = _topn_keys(SCORE, bg, cur, j0, NBP, CH, KP)
+        if j0 == 0:
+            top = key
+        else:
+            top = tl.topk(tl.reshape(tl.join(top, key), [2 * KP]), KP)
+    return top
+
+
+@triton.jit
 def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
-                 NSP: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr, GDC: tl.constexpr = 0):
+                 NSP: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr, GDC: tl.constexpr = 0,
+                 HALF: tl.constexpr = False):
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
     scores among the other causal blocks (``_topn_keys``), ties to the lower index; written ascending,
     −1 padded. The causal blocks 0..t//l' are ranked CH at a time, a bitonic top-KP (``tl.topk``) of each
@@ -693,13 +713,15 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the blocks
     n_take = tl.minimum(cur + 1, N_SEL)
     BIG: tl.constexpr = 2147483647
-    top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    for j0 in tl.range(0, cur + 1, CH):
-        key = _topn_keys(SCORE, bg, cur, j0, NBP, CH, KP)
-        if j0 == 0:
-            top = key
+    if HALF:
+        # a cache with room to grow: while the causal blocks fit in half a chunk, a top-k of half the size
+        # (the chunk is the capacity's where it holds fewer than TOPN_CHUNK blocks)
+        if cur < CH // 2:
+            top = _topn_keys(SCORE, bg, cur, 0, NBP, CH // 2, KP)
         else:
-            top = tl.topk(tl.reshape(tl.join(top, key), [2 * KP]), KP)
+            top = _topn_chunks(SCORE, bg, cur, NBP, CH, KP)
+    else:
+        top = _topn_chunks(SCORE, bg, cur, NBP, CH, KP)
     n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
     s = tl.arange(0, KP)
     # there are at least n_take − n_forced free causal blocks: every pick below is a real block
@@ -1056,7 +1078,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                                         BH=p.BH, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, BLOCK=cfg.block_size,
                                         BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
-                                        **pdl)
+                                        IDLE_EXIT=p.gdc == 3, **pdl)
         top_n(ws.score, pos, ws.idx, cfg, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
@@ -1088,7 +1110,7 @@ def top_n(score, pos, idx, cfg: NSAConfig, *, GDC: int = 0, launch_pdl: bool = F
     ch = min(max(NBP, 4), max(TOPN_CHUNK, nsp))
     _topn_kernel[(BG,)](score, pos, idx, idx.stride(0), idx.stride(1), G=idx.shape[1], BLOCK=cfg.block_size,
                         N_SEL=cfg.n_selected, NSP=nsp, NBP=NBP, CH=ch,
-                        num_warps=SELECT_WARPS, GDC=GDC, launch_pdl=launch_pdl)
+                        num_warps=SELECT_WARPS, GDC=GDC, launch_pdl=launch_pdl, HALF=ch // 2 > nsp)
 
 
 class DecodeStep:

@@ -112,17 +112,19 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
+@pytest.mark.parametrize("chunk", [4, 16])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
-def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
+def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, chunk, monkeypatch):
     """A cache allocated for more tokens than it holds (as a generation loop allocates it: capacity
     t + 1 + 64, 2·(t + 1), 4·(t + 1)) gives the step of a cache of exactly t + 1 tokens: the oracle's
     blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
     the compressed launch is split by the tokens held and the scorer and top-n rank only the causal
     blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens and a top-n over chunks
-    of 4 blocks, so that the split and the chunks vary."""
+    of 4 or 16 blocks, so that the split and the chunks vary (16: some capacities rank the causal blocks
+    in a half chunk, ``_topn_kernel``'s HALF)."""
     from kernels import decode
     monkeypatch.setattr(decode, "CMP_TILE", 16)
-    monkeypatch.setattr(decode, "TOPN_CHUNK", 4)
+    monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = CFG
     torch.manual_seed(8)
     m = NSAAttention(cfg).to(DEV)
