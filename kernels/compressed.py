@@ -372,12 +372,9 @@ def _cmp_dkdv_kernel(Q, KC, VC, CU, CUC, DO, LSE, DELTA, PART_K, PART_V,
     chunk's last key leaves it, cut in NSPLIT equal runs of whole tiles): an fp32 scratch row per
     (chunk, split), summed in order by the reduce kernel; a PART_K row is [BC, BDA + BDB].
     The split keeps the long chunks (the first ones: every later query sees them) from running
-    alone at the end of the grid. The programs running together read unrelated query tiles (at 64k,
-    128/128, H100, ncu: 31.2 GB from DRAM, L2 hit rate 10%), but that traffic is hidden behind the
-    products: runs at absolute query positions with the grid chunk-fastest, so that those programs
-    read the same tiles, cut it to 5.9 GB (hit rate 75%) and took 18.7 vs 17.1 ms (whole backward,
-    do_bench: 64k 30.6-31.7 vs 30.6-33.9 ms, 16k 2.64-2.69 vs 2.36-2.51, 64k d_k 192 44.9-47.6 vs
-    43.4-44.0), the runs being less even."""
+    alone at the end of the grid. The programs running together read unrelated query tiles, but that
+    traffic is hidden behind the products: runs that share tiles were slower, being less even
+    (docs/decisions.md)."""
     c = tl.program_id(0) // NSPLIT
     split = tl.program_id(0) % NSPLIT
     g = tl.program_id(1)
@@ -472,10 +469,7 @@ def _role(window: int, q_end: int | None) -> tuple[str, int]:
     window branch, the selection's dense prefix (queries before ``q_end``) or compressed attention."""
     return ("win" if window else "cmp" if q_end is None else "prefix"), (Q_END_NONE if q_end is None else q_end)
 # compressed tokens per program of the dk/dv reduce where a chunk has several splits (the window's one
-# split keeps a program per chunk). H100, bf16, whole compressed backward (do_bench, ms), a program per
-# chunk of 128 vs 8 / 16 / 32 rows: d=128 8k 1.09 vs 0.95 / 0.97 / 0.96, 16k 2.65 vs 2.34 / 2.37 / 2.34,
-# 32k 8.41 vs 8.11 / 8.15 / 8.13, 64k 30.1 vs 30.1 / 29.9 / 29.9; d_k=192 16k 4.48 vs 3.40 / 3.36 / 3.39,
-# 64k 43.6 vs 42.9 / 46.8 / 43.5; gradients bit-identical
+# split keeps a program per chunk): a program per chunk of 128 was slower up to 32k (docs/decisions.md)
 REDUCE_ROWS = 32
 
 
@@ -487,67 +481,9 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     settings first, then smaller ones for a GPU with less shared memory per block
     (``common.launch_fitting`` runs the first that loads; the smallest: 16 rows, BC 16, one stage).
 
-    From sweeps on the H100 at 64k, H=64 (h=16), G=4, bf16. Forward with descriptors: 128 rows /
-    BC 64 / 4 warps / 2 stages 9.1 ms at d=128 (256 rows / 8 warps: 10.1-10.2; 3 stages: 11.1;
-    BC 128: 10.2), 256 rows / 8 warps 12.9 ms at d_k=192 (128 rows: 14.1-15.2); with pointer
-    loads 256 rows / BC 64 / 8 warps 11.2 and 15.7 ms (128 rows / 4 warps: 13.4 and 24.8; BC 128
-    runs out of shared memory at 192). dq with descriptors: the whole backward 0.9 ms (d=128) and
-    1.1 ms (d_k=192) faster than with pointer loads at the same settings; dk/dv's query tiles
-    loaded through [BT, h, d] descriptors made it slower (backward 45.8-52.3 ms vs 34.8 at d=128,
-    99.7 vs 81.8 at d_k=192), so dk/dv keeps pointer loads. As the sliding window (``window``,
-    w=512): forward 128 rows / 4 warps 3.45 ms at d=128 (64 rows 3.43, 256 rows / 8 warps 4.09,
-    3 stages 4.62), at d_k=192 128 rows / 8 warps 5.0 ms (256 rows 5.9); dq and dk/dv at the
-    compressed settings within 0.4 ms of the best tried. dk/dv with d_k as two power-of-two parts
-    (192 = 128 + 64, ``common.head_dim_parts``) at d_k=192: 128 rows / BC 64 / 8 warps, whole
-    backward 51.0 ms (64 rows / BC 32 / 4 warps 68.5, 64 rows / BC 64: 69.6-76.1; with d_k padded to
-    256 it was 81.8 ms); d=128 unchanged (34.4 ms; 128 rows / 8 warps 39.5). Pointer-load sweeps before that:
-    dq 64 rows / BC 64 / 4 warps 14.0 ms (d=128); dk/dv unsplit
-    40.6-49.6 ms (d_k=192: 92-146 ms): the first chunks, which every later query sees, ran alone at
-    the end of the grid. Split in 8 (16: no better): dq 14.0 + dk/dv 22.5 ms at d=128 (8 warps or BC
-    32: 27-49 ms); at d_k=192 dq 128 rows / 8 warps 20.0 ms (64 rows / 4 warps: 27.1) and dk/dv BC
-    32 / 4 warps 50.2 ms (BC 64: 53.6 with 8 warps, 81.6 with 4).
-
-    dk/dv with key-major scores (k·qᵀ, ``_dkdv_tile``) and chunks of 128 keys: 64 rows / 8 warps /
-    3 stages, whole backward 30.3 ms at d=128 vs 34.5 for the query-major kernel's best (64 rows /
-    BC 64 / 4 warps; key-major at those settings 35.0; 2 stages 32.5, 1 stage 34.8, 128 rows 59.9,
-    32 rows 38.7, 4 warps 69.8-81.0); at d_k=192, 2 stages, 45.2 vs 50.4 ms (32 rows 48.7; BC 64:
-    65.8-68.1; 128 rows / BC 128 out of shared memory). As the window (w=512): 10.4 vs 12.3 ms at
-    d=128, 15.4 vs 18.1 at d_k=192. dq with 128 rows / BC 32 or 64, or 64 rows / BC 32: no faster
-    (35.3-38.7 ms at d=128).
-
-    The forward and dq with d_k in two parts as well (``_load_tile_dk``, two descriptors), at
-    d_k=192 and the settings above: compressed forward 11.9 vs 12.8 ms, backward 44.1 vs 45.4;
-    window forward 4.8 vs 5.1, backward 14.6 vs 15.2 (outputs bit-identical). Other settings at
-    d_k=192: forward 128 rows / 8 warps 12.6 (4 warps 13.4-14.3), dq 64 rows / 4 warps 45.2-47.6.
-    Later, the window forward at d_k=192 (descriptors, 2 stages): 64 rows / BC 32 / 4 warps 4.11 ms
-    vs 4.70 at 128 rows / BC 64 / 8 warps (128 rows / BC 32 / 4 warps 4.20, 3 stages 4.18; BC 128
-    6.8-14.5); at d=128 the best tried, 64 rows / BC 64 / 3 stages, 3.41 ms vs 3.48 (kept). The
-    window forward that also writes the gated mix (``mix``; timed without storing o_win) at d=128:
-    64 rows / BC 64 / 4 warps / 2 stages 0.489 / 0.983 / 3.904 ms at 8k / 16k / 64k vs 0.530 / 1.042
-    / 4.152 with 128 rows (3 stages 0.475 / 0.976 / 4.171; 64 rows / BC 32 3.892 at 64k; 128 rows /
-    BC 32 4.202; 256 rows / 8 warps 4.542). Block scoring, the compressed forward: no setting faster
-    at 8k and 16k either. A persistent window forward (a grid of 1-4 programs per SM walking the
-    tiles, every chunk masked so that the tile loop and the chunk loop form one nest, flattened with
-    ``tl.range(flatten=True)`` or not) was slower at every setting tried: 64 rows / 2 per SM 0.52 /
-    4.38-4.43 ms (3 stages 0.49 / 4.16-4.24; 128 rows / 8 warps 0.58 / 4.65) vs 0.45 / 3.57-3.63 at
-    8k / 64k, without the mix; flattened or not, the same. The forward's and dq's query tiles walked last
-    first (the longest programs under the causal rule starting first, as the block scorer's do: ``scoring._score_topn_kernel``): H100, do_bench,
-    four rounds alternating, ms, forward 0.277 vs 0.266-0.525 at 8k, 9.998-10.566 vs 9.276-10.823 at 64k; the
-    whole backward 0.986-0.987 vs 0.965-0.966 at 8k, 32.2-34.1 vs 33.1-36.3 at 64k: not taken. The key loops
-    warp-specialized (``tl.range(warp_specialize=True)``, Triton 3.6; H100, 64k, d 128, bf16, do_bench, three
-    rounds, ms): at the settings above Triton's NVGPUWarpSpecialization pass fails on the forward and dq kernels
-    (compressed and window); with 8 warps they compile and are slower: compressed forward 10.7-10.9 vs 9.1-10.3,
-    window forward 4.02-4.07 vs 3.47-3.73, whole compressed backward with dq specialized 46.0-49.6 vs 30.5-31.5
-    (window 15.3-15.7 vs 10.5-11.6); dk/dv specialized (4 or 8 warps) 30.8-35.2 vs 30.6-34.2 (window 10.7-11.7 vs
-    10.5-11.0): no gain. Swept again at 64k (H100, d 128, bf16, do_bench, two rounds, ms; registers as ptxas
-    gave them): forward 128 rows / BC 64 / 4 warps / 2 stages (255 registers, 36 spilled) 9.1 / 10.1 vs 8 warps
-    (175, none spilled) 10.7 / 10.7, with 3 stages 10.4 / 11.2; 64 rows / 4 warps (176) 10.2 / 10.5, 3 stages 9.9 /
-    10.5; BC 32 10.9-11.5; 256 rows / BC 32 / 8 warps 12.5-12.6; BC 128 / 8 warps 10.1-10.6. The whole backward by
-    dq setting: 64 rows / 4 warps / 2 stages 30.6 / 32.2 vs 128 rows / 8 warps 31.6 / 32.9, with 3 stages 30.2 /
-    31.7; BC 32 34.3-35.9; 64 rows with 3 stages 32.7-34.4. The window's whole backward (w=512) by dk/dv setting:
-    64 rows / BC 128 / 8 warps / 3 stages 10.5 / 10.6 vs 2 stages 11.1-11.9, 32 rows 10.9-11.5, BC 64 / 4 warps
-    12.2-13.7, 128 rows 15.4-19.7; by dq setting: 10.6 / 10.9 vs BC 32 10.4 / 10.9, 128 rows / 8 warps 10.8-11.3, 3
-    stages 12.3-12.4. None ahead by more than the rounds' spread."""
+    The measured settings are the fastest of sweeps on an H100 at 64k, H=64 (h=16), G=4, bf16, for the compressed
+    branch and the sliding window; dk/dv keeps pointer loads (its query tiles through descriptors were slower) and
+    computes its scores key-major (docs/decisions.md, with what was tried and not taken)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -699,10 +635,7 @@ def _dkdv_splits(most: int, split_len: int, max_seqlen: int, chunks: int, n_sm: 
     least ``split_len`` queries (at most ``most``), halved while the grid of ``chunks`` · runs
     programs holds more than 8 per SM. A window's chunks are seen by w queries: one run.
 
-    H100, 128/128, bf16, whole compressed backward (ms) by runs 1 / 2 / 4 / 8 / 16 / 32: 8k 4.65 /
-    2.58 / 1.56 / 1.08 / 1.22 / 1.81 (8 chosen; 2 before, from runs of at least 4096 queries), 16k
-    9.37 / 5.32 / 3.23 / 2.90 / 2.65 / 3.44 (16 chosen; 4 before), 64k 44.4 / 38.7 / 30.8 / 30.7 /
-    31.0 / 32.2 (8, as before); 8k at d_k 192: 6.99 / 3.77 / 2.33 / 1.76 / 2.19 / 2.91 (8; 2 before)."""
+    Runs per chunk by sequence length, swept on an H100: docs/decisions.md."""
     if window:
         return 1
     n = max(1, min(most, max_seqlen // split_len))
