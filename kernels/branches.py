@@ -19,32 +19,13 @@ of them (block 0 and the local two forced, the top-n of the rest: every one), an
 attention is plain causal attention over tokens 0..t. Those rows run as tiles of consecutive queries
 sharing every key load (the compressed kernels with l = d = 1 and ``q_end`` = n·l', as the window
 runs on them) instead of one program per token loading its blocks; the selection kernels start at
-position n·l' (``first_row``). block_idx still lists their blocks. H100, bf16, H=64, G=4, d 128, the
-layer (do_bench, four rounds alternating with the prefix off), ms: forward 3.69-3.87 vs 3.90-3.99 at 8k,
-1.95 vs 2.32 (host-bound, noisy) at 2k, 8.15-8.51 vs 8.26-8.51 at 16k, 45.4-45.6 vs 45.2-46.1 at 64k;
-forward + backward unchanged (11.73-11.77 vs 11.71-12.04 at 8k; 133.0-134.2 vs 133.5-134.1 at 64k): the
-dense backward costs about what the selection's saves there.
+position n·l' (``first_row``). block_idx still lists their blocks. In the layer the forward gained at short
+lengths and forward + backward was unchanged: the dense backward costs about what the selection's saves
+(docs/decisions.md).
 
 The window does not depend on the other branches, but running it on a second stream beside them gained
-nothing: the kernels before it fill the GPU, so it ran after them all the same (H100, bf16, H=64, G=4, d
-128, inference, do_bench: chain of three 2.53 / 34.4 ms and window 0.44 / 3.65 ms at 8k / 64k, both on
-two streams 2.94 / 38.0 ms; with the mix as a pass of its own after them 3.12 / 39.2 ms vs the four
-launches before the dense prefix, 3.00 / 38.5). Nor did the backward's: the compressed branch's
-(tensor-core bound) on a second stream beside the selection's, the dense prefix's and the window's (the
-selection's L2-bound), each with a dq of its own, added after: H100, 64k, the same shape, CUDA events,
-five reps, ms: 77.4 and 78.2 vs 76.6 and 83.3 on one stream (the compressed backward alone 33.1, the
-rest alone 44.7): they ran one after the other all the same. Nor when the compressed, prefix and window
-backward kernels ran as a persistent grid (each program walking tiles in a loop, the longest first;
-their gradients bit-identical to the normal grid's) on a high-priority second stream, launched before
-the selection's backward on a third, so that an SM could hold one of theirs beside the selection's
-programs; dq, dk and dv of the two sides summed after. H100, 64k, the same shape, CUDA events, five
-reps, two rounds, medians, ms: one stream 76.6 / 77.4; two streams without the persistent grid 81.0 /
-80.0; with one program per SM 80.8 / 81.1, two 78.0 / 79.3, 1.5 80.8 / 80.6; one per SM at normal
-priority 85.1 / 84.3. Alone: the compressed side 43.1 (53.3 as one program per SM), the selection's
-36.5. By the registers and shared memory ptxas gave the kernels (H100, in the layer; not observed on the
-SMs): a compressed dk/dv program (8 warps × 255 registers) fills an SM's register file, so nothing runs
-beside it; beside a compressed dq program (4 warps, 214 registers, 99 KB) two selection dq programs fit
-(2 warps, 156 registers, 43 KB), where five fit alone.
+nothing: the kernels before it fill the GPU, so it ran after them all the same. Nor did the backward's
+branches on several streams (docs/decisions.md).
 
 Layouts (packed variable length; cu_seqlens [B+1] int32, cu_cmp [B+1] int32 of the compressed
 tokens): g [T, H, 3] (cmp, sel, win); q [T, H, d_k]; k [T, G, d_k], v [T, G, d_v]; k_cmp

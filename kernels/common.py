@@ -164,8 +164,8 @@ def dkdv_update(dka, dkb, dv, st, v, qa, qb, do, lse2, delta, BDB: tl.constexpr,
 # -- tensor descriptors (TMA) -----------------------------------------------------------------
 # Hopper's copy engine loads a whole tile per instruction and zero-fills past the tensor's edges;
 # a kernel's descriptor path reads the same bytes as its pointer path (the tests compare them on
-# every setting, ``forced_config``). Measured on the H100 at 64k: the compressed forward 9.1 ms
-# with descriptors vs 11.2 ms with pointer loads (d 128), 12.9 vs 15.7 ms (d_k 192).
+# every setting, ``forced_config``). Descriptor loads made the compressed forward faster than pointer
+# loads (docs/decisions.md).
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:                    # a triton without host-side descriptors: pointer paths only

@@ -267,8 +267,8 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_l
 
 class _Launch(torch.autograd.Function):
     """The launch, run as an autograd Function only so that torch.profiler records an op around it:
-    a bare Triton launch inside a ``record_function`` range is not attributed to that range (seen on
-    the H100 with torch 2.11), and the suites prove from the range which kernel ran. Not
+    a bare Triton launch inside a ``record_function`` range is not attributed to that range (where it
+    was seen: docs/decisions.md), and the suites prove from the range which kernel ran. Not
     differentiable (selection is discrete)."""
 
     @staticmethod

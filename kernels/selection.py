@@ -317,15 +317,15 @@ def selection_attention_fwd(q, k, v, block_idx, block_size: int, cu_seqlens=None
     return out, lse
 
 
-# queries per dk/dv program: a block every query selected (block 0) is split up; 1024 was within ~5% of
-# the best of 256-2048 everywhere measured (docs/decisions.md, with the restructurings tried)
+# queries per dk/dv program: a block every query selected (block 0) is split up; 1024 was close to the
+# best of 256-2048 everywhere measured (docs/decisions.md, with the restructurings tried)
 SEGMENT = 1024
 
 
 def reverse_index(block_idx, cu_seqlens, block_size: int, segment: int = SEGMENT, first_row: int = 0) -> dict:
     """Which queries selected each (KV head, selection block), cut into segments; no host sync
     (no boolean indexing, no bincount: each of those waits for the GPU, and the backward's launches
-    stalled behind them: 1.7 ms of the selection backward's 6.0 at 8k on an H100).
+    stalled behind them: docs/decisions.md).
 
     Buckets are ``g · NBU + global block slot`` with NBU = ⌈T/l'⌉ + B, an upper bound on the
     blocks of all sequences. Returns tensors (int32 unless noted):

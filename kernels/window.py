@@ -8,9 +8,8 @@ padding, deterministic (no atomics), 64-bit offsets, K/V tiles through tensor de
 the GPU has them. A tile of query tokens walks only the chunks its window covers, and the dk/dv
 kernel only the queries whose windows hold its keys.
 
-Measured on an H100 at 64k (bf16, H=64, G=4, w=512): forward 3.5 ms vs flash-attn's 4.8 ms,
-forward+backward 15.9 vs 21.3 ms at d 128; at d_k 192 / d_v 128 (flash-attn pads v to 192)
-5.9 vs 7.3 ms and 30.6 vs 35.9 ms.
+Faster than flash-attn's sliding window at 64k, forward and forward+backward, at d 128 and at
+d_k 192 / d_v 128 (docs/decisions.md).
 
 Layouts (packed variable length, like flash-attn's varlen API):
     q [T, H, d_k], k [T, G, d_k], v [T, G, d_v], cu_seqlens [B + 1] int32;
