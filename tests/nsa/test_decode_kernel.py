@@ -175,8 +175,9 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
     torch.manual_seed(5)
     s = {"distinct": torch.rand(1, G, NB), "quarter-steps": torch.randint(0, 4, (1, G, NB)) / 4,
          "all-equal": torch.ones(1, G, NB), "falling": -torch.arange(NB).float().expand(1, G, NB)}[scores]
-    # (chunks of 4 make each launch loop over up to NB/4 chunks under the interpreter: every fifth position)
-    step = (7 if NB <= 64 else 97) * (1 if chunk > NB else 5)
+    # the top-n depends on t only through its block t // l': one position a block, at a different offset in
+    # each (chunks of 4 make each launch loop over up to NB/4 chunks under the interpreter: every fifth block)
+    step = (cfg.block_size + 1 if NB <= 64 else 97) * (5 if chunk < NB and NB > 16 else 1)
     for t in range(0, NB * cfg.block_size, step):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
@@ -188,9 +189,10 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
 @pytest.mark.parametrize("nb,n_sel", [(64, 16), (8, 4)], ids=["64-blocks-n16", "8-blocks-n4"])
 @pytest.mark.parametrize("chunk", [1 << 20, 4], ids=["one-chunk", "chunks-of-4"])
 def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_sel):
-    """The step's top-n on scores holding NaN, +inf and -inf (what inputs that overflow give): at every
-    position it still writes min(n, causal blocks) distinct causal blocks, ascending, block 0 and the local
-    blocks among them, the rest -1 — never a block past the query (a NaN ranks lowest)."""
+    """The step's top-n on scores holding NaN, +inf and -inf (what inputs that overflow give): in every
+    block (it depends on t only through t // l') it still writes min(n, causal blocks) distinct causal
+    blocks, ascending, block 0 and the local blocks among them, the rest -1 — never a block past the
+    query (a NaN ranks lowest)."""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = tiny(block_size=16, n_selected=n_sel)
@@ -199,7 +201,7 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
     s = torch.rand(G, NB)
     for i, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
         s[:, i::3][torch.rand(G, len(range(i, NB, 3))) < 0.4] = bad
-    for t in range(0, NB * cfg.block_size, 5 if chunk > NB else 25):
+    for t in range(0, NB * cfg.block_size, (cfg.block_size + 1) * (5 if chunk < NB and NB > 16 else 1)):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, n_sel), 99, dtype=torch.int32, device=DEV)
         decode.top_n(s.to(DEV), pos, idx, cfg)
