@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 oneshot: $(STAMP)
 	@$(VENV)/bin/nsa-validate oneshot $(ARGS)
 
+# pytest over tests/ and suites/, as one process per core on a CPU machine (tests/parallel.py)
 test: $(STAMP)
-	@$(PY) -m pytest -q --durations=10 $(ARGS)
+	@$(PY) tests/parallel.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,76 @@
+"""`make test`: pytest over tests/ and suites/ as N processes at once on a CPU machine, N = its cores
+(at most MAX_SHARDS); one process on a GPU machine, whose suites time the GPU and must have it alone.
+
+Each process runs every N-th selected case (conftest.py's ``--shard``). The first streams its output
+here; the others write theirs to a file, printed when they end. Then the ten slowest cases of all the
+shards (from their JUnit files) and one exit status: the first failing shard's, else 0 (5 only when
+no shard collected a case). Arguments are passed to every pytest process (`make test ARGS="-k ..."`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+MAX_SHARDS = 4
+SLOWEST = 10
+NO_TESTS = 5             # pytest's exit status when a process collected nothing
+
+
+def shard_count() -> int:
+    import torch
+    if torch.cuda.is_available():
+        return 1
+    return max(1, min(MAX_SHARDS, len(os.sched_getaffinity(0))))
+
+
+def slowest(junit_files: list[Path], k: int = SLOWEST) -> list[tuple[float, str]]:
+    """The k longest cases (setup + call + teardown, seconds) over the shards' JUnit files."""
+    cases = []
+    for f in junit_files:
+        if f.is_file():
+            for tc in ET.parse(f).iter("testcase"):
+                cases.append((float(tc.get("time") or 0), f"{tc.get('classname')}::{tc.get('name')}"))
+    return sorted(cases, reverse=True)[:k]
+
+
+def main(args: list[str]) -> int:
+    n = shard_count()
+    base = [sys.executable, "-m", "pytest", "-q", *args]
+    if n == 1:
+        return subprocess.call([*base, f"--durations={SLOWEST}"])
+    work = Path(tempfile.mkdtemp(prefix="nsa-test-"))
+    # one torch thread a process: N processes on N cores, not N × N threads
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs, logs = [], []
+    for i in range(n):
+        cmd = [*base, f"--shard={i}/{n}", f"--junitxml={work / f'shard{i}.xml'}", f"--basetemp={work / f'tmp{i}'}"]
+        log = None if i == 0 else open(work / f"shard{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env=env))
+        logs.append(log)
+    print(f"make test: {n} pytest processes at once, each running one case in {n}", flush=True)
+    codes = []
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        codes.append(p.wait())
+        if log is not None:
+            log.close()
+            print(f"\n---- shard {i}/{n} (exit {codes[-1]}) ----", flush=True)
+            sys.stdout.write((work / f"shard{i}.log").read_text(errors="replace"))
+    print(f"\n==== {SLOWEST} slowest cases, all shards ====")
+    for t, name in slowest([work / f"shard{i}.xml" for i in range(n)]):
+        print(f"{t:9.2f}s {name}")
+    failed = [c for c in codes if c not in (0, NO_TESTS)]
+    code = failed[0] if failed else (NO_TESTS if all(c == NO_TESTS for c in codes) else 0)
+    if code == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"make test: exit {code} (shards {codes}); their files: {work}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
