@@ -235,12 +235,18 @@ def out_level(r) -> str:
     return json.loads(r.stdout)["level"]
 
 
+# the cases the oneshot test selects in every suite: what its assertions read (a parity case, Table 4, the
+# layer and decode benches); every case runs in full where pytest runs suites/ (no case runs twice)
+ONESHOT_CASES = "forward or prefill_matches_oracle or paper_table4 or bench or parity"
+
+
 def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
     prof = _small_profile(tmp_path)
     for i in range(2):
         # the second run gates on the first inline (CPU timings are noise: a wide gate here)
         gate = ["--baseline", str(run_dirs(tmp_path / "runs")[0]), "--max-regression", "1000"] if i else []
-        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--level", "quick", "--json", *gate)
+        r = cli("oneshot", "--out", str(tmp_path / "runs"), "--profile", str(prof), "--level", "quick", "--json",
+                "-k", ONESHOT_CASES, *gate)
         assert r.returncode == 0, r.stderr[-3000:]
         assert out_level(r) == "quick" and "· level quick ·" in r.stderr
         out = json.loads(r.stdout)
