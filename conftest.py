@@ -1,6 +1,9 @@
 # Without a GPU, Triton kernels run under Triton's interpreter (nsa_validate.interpret decides);
 # the switch is set before any test module imports the kernels, which then register their
 # backends with nsa_core.routing.
+import fcntl
+import hashlib
+
 import pytest
 
 from nsa_validate import interpret
@@ -10,21 +13,59 @@ interpret.set_for_this_process()
 import kernels  # noqa: E402,F401  (registers the Triton and FA-2 backends)
 
 
+
 def pytest_addoption(parser):
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run every N-th selected case from the I-th (0-based): `make test` runs N such "
-                          "processes at once on a CPU machine (tests/parallel.py)")
+    parser.addoption("--claim-from", default=None, metavar="FILE",
+                     help="run the cases one at a time as claimed from FILE, a counter shared with the other "
+                          "pytest processes given it (they must collect the same cases): `make test` on a CPU "
+                          "machine runs one such process per core (tests/parallel.py)")
 
 
-@pytest.hookimpl(trylast=True)           # after -k and -m have deselected theirs
-def pytest_collection_modifyitems(config, items):
-    shard = config.getoption("--shard")
-    if not shard:
-        return
-    i, n = (int(v) for v in shard.split("/"))
-    if not 0 <= i < n:
-        raise pytest.UsageError(f"--shard {shard}: want I/N with 0 <= I < N")
-    # round robin in collection order: a module's cases, slow and quick alike, spread over the shards
-    keep = [it for k, it in enumerate(items) if k % n == i]
-    config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
-    items[:] = keep
+def _claim(path: str) -> int:
+    """The next case's index: FILE's counter, taken and advanced under an exclusive lock."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = int(f.read() or 0)
+        f.seek(0)
+        f.truncate()
+        f.write(str(n + 1))
+        return n
+
+
+def _same_cases(path: str, items) -> None:
+    """Every process sharing ``path`` collected the same cases in the same order (else an index is
+    another case in each): the first records a digest of the node ids, the others compare."""
+    digest = hashlib.sha256("\n".join(it.nodeid for it in items).encode()).hexdigest()
+    with open(path + ".cases", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        first = f.read()
+        if not first:
+            f.write(digest)
+        elif first != digest:
+            raise pytest.UsageError(f"--claim-from {path}: this process collected other cases than the first")
+
+
+def pytest_runtestloop(session):
+    """pytest's own loop (``_pytest.main.pytest_runtestloop``), over the cases claimed from --claim-from:
+    each process takes the next unclaimed case when it finishes one, so the processes end together."""
+    path = session.config.getoption("--claim-from")
+    if not path:
+        return None
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+    if session.config.option.collectonly:
+        return True
+    items = session.items
+    _same_cases(path, items)
+    i = _claim(path)
+    while i < len(items):
+        j = _claim(path)             # the next case, claimed now: its fixtures decide what this one tears down
+        items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[j] if j < len(items) else None)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+        i = j
+    return True

@@ -1,8 +1,8 @@
 """`make test`: pytest over tests/ and suites/ as N processes at once on a CPU machine, N = its cores
 (at most MAX_SHARDS); one process on a GPU machine, whose suites time the GPU and must have it alone.
 
-Each process runs every N-th selected case (conftest.py's ``--shard``). The first streams its output
-here; the others write theirs to a file, printed when they end. Then the ten slowest cases of all the
+The processes take the selected cases one at a time from a shared counter (conftest.py's
+``--claim-from``), so they end together whatever each case costs. The first streams its output here; the others write theirs to a file, printed when they end. Then the ten slowest cases of all the
 shards (from their JUnit files) and one exit status: the first failing shard's, else 0 (5 only when
 no shard collected a case). Arguments are passed to every pytest process (`make test ARGS="-k ..."`).
 """
@@ -48,11 +48,13 @@ def main(args: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs, logs = [], []
     for i in range(n):
-        cmd = [*base, f"--shard={i}/{n}", f"--junitxml={work / f'shard{i}.xml'}", f"--basetemp={work / f'tmp{i}'}"]
+        cmd = [*base, f"--claim-from={work / 'claimed'}", f"--junitxml={work / f'shard{i}.xml'}",
+               f"--basetemp={work / f'tmp{i}'}"]
         log = None if i == 0 else open(work / f"shard{i}.log", "w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env=env))
         logs.append(log)
-    print(f"make test: {n} pytest processes at once, each running one case in {n}", flush=True)
+    print(f"make test: {n} pytest processes at once, taking the cases one at a time (each one's progress "
+          f"counts all the cases, so it ends near {100 // n}%)", flush=True)
     codes = []
     for i, (p, log) in enumerate(zip(procs, logs)):
         codes.append(p.wait())
