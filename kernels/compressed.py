@@ -483,7 +483,7 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
 
     The measured settings are the fastest of sweeps on an H100 at 64k, H=64 (h=16), G=4, bf16, for the compressed
     branch and the sliding window; dk/dv keeps pointer loads (its query tiles through descriptors were slower) and
-    computes its scores key-major (docs/decisions.md, with what was tried and not taken)."""
+    computes its scores key-major (docs/decisions.md)."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)

@@ -116,7 +116,6 @@ CMP_EARLY = True
 # EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait (GDC 4): the window streams while the
 # top-n ranks (docs/decisions.md)
 WIN_NOWAIT = True
-# Other shapes of the step were tried and not taken: docs/decisions.md
 
 
 @triton.jit

@@ -216,7 +216,7 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     ones for a GPU with less shared memory per block (``common.launch_fitting`` runs the first that loads).
 
     The measured settings are the fastest of sweeps on an H100 at 64k (q and the keys through tensor descriptors
-    where usable, d_k = 192 as two power-of-two parts): docs/decisions.md, with what was tried and not taken."""
+    where usable, d_k = 192 as two power-of-two parts): docs/decisions.md."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
     if itemsize > 2:      # fp32 tiles are twice the bytes: 64 tokens, 3 stages need 256 KiB of shared memory
