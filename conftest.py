@@ -13,7 +13,6 @@ interpret.set_for_this_process()
 import kernels  # noqa: E402,F401  (registers the Triton and FA-2 backends)
 
 
-
 def pytest_addoption(parser):
     parser.addoption("--claim-from", default=None, metavar="FILE",
                      help="run the cases one at a time as claimed from FILE, a counter shared with the other "

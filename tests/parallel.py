@@ -1,10 +1,11 @@
 """`make test`: pytest over tests/ and suites/ as N processes at once on a CPU machine, N = its cores
-(at most MAX_SHARDS); one process on a GPU machine, whose suites time the GPU and must have it alone.
+(at most MAX_PROCESSES); one process on a GPU machine, whose suites time the GPU and must have it alone.
 
 The processes take the selected cases one at a time from a shared counter (conftest.py's
-``--claim-from``), so they end together whatever each case costs. The first streams its output here; the others write theirs to a file, printed when they end. Then the ten slowest cases of all the
-shards (from their JUnit files) and one exit status: the first failing shard's, else 0 (5 only when
-no shard collected a case). Arguments are passed to every pytest process (`make test ARGS="-k ..."`).
+``--claim-from``), so they end together whatever each case costs. The first streams its output here;
+the others write theirs to a file, printed when they end. Then the ten slowest cases of all the
+processes (from their JUnit files) and one exit status: the first failing process's, else 0 (5 only
+when nothing was collected). Arguments are passed to every pytest process (`make test ARGS="-k ..."`).
 """
 from __future__ import annotations
 
@@ -16,20 +17,20 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-MAX_SHARDS = 4
+MAX_PROCESSES = 4
 SLOWEST = 10
 NO_TESTS = 5             # pytest's exit status when a process collected nothing
 
 
-def shard_count() -> int:
+def process_count() -> int:
     import torch
     if torch.cuda.is_available():
         return 1
-    return max(1, min(MAX_SHARDS, len(os.sched_getaffinity(0))))
+    return max(1, min(MAX_PROCESSES, len(os.sched_getaffinity(0))))
 
 
 def slowest(junit_files: list[Path], k: int = SLOWEST) -> list[tuple[float, str]]:
-    """The k longest cases (setup + call + teardown, seconds) over the shards' JUnit files."""
+    """The k longest cases (setup + call + teardown, seconds) over the processes' JUnit files."""
     cases = []
     for f in junit_files:
         if f.is_file():
@@ -39,7 +40,7 @@ def slowest(junit_files: list[Path], k: int = SLOWEST) -> list[tuple[float, str]
 
 
 def main(args: list[str]) -> int:
-    n = shard_count()
+    n = process_count()
     base = [sys.executable, "-m", "pytest", "-q", *args]
     if n == 1:
         return subprocess.call([*base, f"--durations={SLOWEST}"])
@@ -48,9 +49,9 @@ def main(args: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs, logs = [], []
     for i in range(n):
-        cmd = [*base, f"--claim-from={work / 'claimed'}", f"--junitxml={work / f'shard{i}.xml'}",
+        cmd = [*base, f"--claim-from={work / 'claimed'}", f"--junitxml={work / f'process{i}.xml'}",
                f"--basetemp={work / f'tmp{i}'}"]
-        log = None if i == 0 else open(work / f"shard{i}.log", "w")
+        log = None if i == 0 else open(work / f"process{i}.log", "w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, env=env))
         logs.append(log)
     print(f"make test: {n} pytest processes at once, taking the cases one at a time (each one's progress "
@@ -60,17 +61,17 @@ def main(args: list[str]) -> int:
         codes.append(p.wait())
         if log is not None:
             log.close()
-            print(f"\n---- shard {i}/{n} (exit {codes[-1]}) ----", flush=True)
-            sys.stdout.write((work / f"shard{i}.log").read_text(errors="replace"))
-    print(f"\n==== {SLOWEST} slowest cases, all shards ====")
-    for t, name in slowest([work / f"shard{i}.xml" for i in range(n)]):
+            print(f"\n---- process {i}/{n} (exit {codes[-1]}) ----", flush=True)
+            sys.stdout.write((work / f"process{i}.log").read_text(errors="replace"))
+    print(f"\n==== {SLOWEST} slowest cases, all processes ====")
+    for t, name in slowest([work / f"process{i}.xml" for i in range(n)]):
         print(f"{t:9.2f}s {name}")
     failed = [c for c in codes if c not in (0, NO_TESTS)]
     code = failed[0] if failed else (NO_TESTS if all(c == NO_TESTS for c in codes) else 0)
     if code == 0:
         shutil.rmtree(work, ignore_errors=True)
     else:
-        print(f"make test: exit {code} (shards {codes}); their files: {work}")
+        print(f"make test: exit {code} (processes {codes}); their files: {work}")
     return code
 
 

@@ -157,6 +157,14 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
     assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
 
 
+def _top_n_positions(cfg, NB: int, chunk: int) -> range:
+    """Positions for the top-n cases: the top-n depends on t only through its block t // l', so one
+    position a block, at a different offset in each (every 97th token past 64 blocks; chunks of 4 make
+    each launch loop over up to NB/4 chunks under the interpreter: every fifth of those)."""
+    step = (cfg.block_size + 1 if NB <= 64 else 97) * (5 if chunk < NB and NB > 16 else 1)
+    return range(0, NB * cfg.block_size, step)
+
+
 @pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (8, 4), (4, 16), (2, 4)],
                          ids=["64-blocks-n5", "128-blocks-n16", "8-blocks-n4", "4-blocks-n16", "2-blocks-n4"])
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
@@ -175,10 +183,7 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
     torch.manual_seed(5)
     s = {"distinct": torch.rand(1, G, NB), "quarter-steps": torch.randint(0, 4, (1, G, NB)) / 4,
          "all-equal": torch.ones(1, G, NB), "falling": -torch.arange(NB).float().expand(1, G, NB)}[scores]
-    # the top-n depends on t only through its block t // l': one position a block, at a different offset in
-    # each (chunks of 4 make each launch loop over up to NB/4 chunks under the interpreter: every fifth block)
-    step = (cfg.block_size + 1 if NB <= 64 else 97) * (5 if chunk < NB and NB > 16 else 1)
-    for t in range(0, NB * cfg.block_size, step):
+    for t in _top_n_positions(cfg, NB, chunk):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
         decode.top_n(s.to(DEV).reshape(G, NB), pos, idx, cfg)
@@ -201,7 +206,7 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
     s = torch.rand(G, NB)
     for i, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
         s[:, i::3][torch.rand(G, len(range(i, NB, 3))) < 0.4] = bad
-    for t in range(0, NB * cfg.block_size, (cfg.block_size + 1) * (5 if chunk < NB and NB > 16 else 1)):
+    for t in _top_n_positions(cfg, NB, chunk):
         pos = torch.tensor([t], dtype=torch.int32, device=DEV)
         idx = torch.full((1, G, n_sel), 99, dtype=torch.int32, device=DEV)
         decode.top_n(s.to(DEV), pos, idx, cfg)
