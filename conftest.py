@@ -1,4 +1,4 @@
-# Without a GPU, Triton kernels run under Triton's interpreter (nsa_validate.interpret decides);
+# Without a GPU, Triton kernels run under Triton's interpreter (nsa_validate.env.interpret decides);
 # the switch is set before any test module imports the kernels, which then register their
 # backends with nsa_core.routing.
 import fcntl
@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from nsa_validate import interpret
+from nsa_validate.env import interpret
 
 interpret.set_for_this_process()
 

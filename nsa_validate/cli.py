@@ -11,23 +11,24 @@ import enum
 import errno
 import json
 import sys
-import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
+import yaml
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import yaml
-
-from nsa_validate import __version__, compare, envcheck, fleet, profiles, rundir, run, safefs, startup, thresholds
+from nsa_validate import __version__, run, safefs, startup
+from nsa_validate.config import profiles, thresholds
+from nsa_validate.config.registry import SUITES
+from nsa_validate.console import ConsoleListener, err, show_comparison, show_env, show_verdict
+from nsa_validate.env import envcheck
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from nsa_validate.report import fleet
+from nsa_validate.report.schema import write_json
+from nsa_validate.run import compare, rundir
 from nsa_validate.run.stop import Stop
-from nsa_validate.schema import run_level, write_json
-from nsa_validate.registry import SUITES
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -44,40 +45,6 @@ def _print_version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """Hardware validation harness for Native Sparse Attention."""
-class _Stderr:
-    """The process's stderr for rich, minus failures: a closed terminal (SIGHUP) or a dead pipe
-    (`| tee` killed by Ctrl-C) must not stop the run from writing its folder. It keeps the stream it
-    started with: rich's live display points ``sys.stderr`` back at this console while it draws
-    (writing to ``sys.stderr`` from here would loop forever)."""
-
-    def __init__(self) -> None:
-        self.stream = sys.stderr
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except (OSError, ValueError):
-            return len(text)
-
-    def flush(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.stream.flush()
-
-    def isatty(self) -> bool:
-        try:
-            return self.stream.isatty()
-        except (OSError, ValueError):
-            return False
-
-    @property
-    def encoding(self) -> str:
-        return getattr(self.stream, "encoding", None) or "utf-8"
-
-
-err = Console(file=_Stderr(), soft_wrap=True)   # lines are never wrapped: CI logs are not terminals
-STYLE = {"pass": "green", "partial": "yellow", "ok": "green", "fail": "red", "error": "red", "broken": "red",
-         "skip": "yellow", "degraded": "yellow", "info": "cyan", "n/a": "dim"}
-
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
 def _profile_names(incomplete: str) -> list[str]:
     """Shell completion of --profile: the shipped profiles' names."""
@@ -100,28 +67,6 @@ ShareOpt = typer.Option(None, "--share-gpu/--one-at-a-time",
 SelectOpt = typer.Option(None, "-k", help="pytest expression selecting cases in every suite, e.g. 'parity and not S65536'")
 TimeoutOpt = typer.Option(None, "--timeout", min=1, help="seconds each suite may run (instead of the profile's)")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
-
-
-def _styled(s: str) -> str:
-    return f"[{STYLE.get(s, 'white')}]{s}[/]"
-
-
-def show_env(rep: envcheck.EnvReport) -> None:
-    f = rep.facts
-    gpu = f.get("gpu") or {}
-    t = Table(title=f"environment: {_styled(rep.verdict)}", title_justify="left")
-    for c in ("check", "status", "detail", "fix"):
-        t.add_column(c, overflow="fold")
-    t.add_row("versions", "", f"python {f.get('python')} · torch {f.get('torch')} (CUDA {f.get('torch_cuda')}) · "
-              f"triton {f.get('triton')} · flash-attn {(f.get('flash_attn') or {}).get('version', '-')}", "")
-    if gpu:
-        tel = f.get("telemetry") or {}
-        t.add_row("GPU", "", f"{gpu['name']} {gpu['sm']} {gpu['memory_gib']} GiB · driver {tel.get('driver_version', '?')} "
-                  f"(CUDA {f.get('driver_cuda')}) · cuDNN {f.get('cudnn')} · SM {tel.get('clocks.sm', '?')} MHz "
-                  f"{tel.get('temperature.gpu', '?')} C {tel.get('power.draw', '?')} W", "")
-    for x in rep.findings:
-        t.add_row(x.check, _styled(x.status), escape(x.detail), escape(x.fix))
-    err.print(t)
 
 
 @app.command("env")
@@ -232,27 +177,10 @@ def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
     compare.check_max_regression(max_regression)
     res = run.load_run(run_dir)
     cmp = compare.compare(compare.from_results(res, str(run_dir)), compare.load(baseline), max_regression)
-    _show_comparison(cmp)
+    show_comparison(cmp)
     if json_out:
         print(json.dumps(cmp, indent=2))
     raise typer.Exit(EXIT_FAIL if cmp["status"] == "regression" else EXIT_OK)
-
-
-def _show_comparison(cmp: dict) -> None:
-    t = Table("metric", "baseline", "run", "change", "verdict", title=f"vs baseline {cmp['baseline']}: "
-              f"{_styled('fail' if cmp['status'] == 'regression' else 'pass')} (gate: +{cmp['max_regression_pct']}% "
-              f"beyond the sample spread)", title_justify="left")
-    for r in cmp["rows"]:
-        if r["verdict"] != "ok":
-            t.add_row(escape(r["metric"]), r["baseline"], r["run"], r["change"],
-                      _styled("fail") if r["verdict"] == "regression" else r["verdict"])
-    err.print(t)
-    for w in cmp.get("warnings", []):
-        err.print(f"[yellow]warning[/]: {escape(w)}")
-    if cmp.get("not_compared"):
-        err.print(f"not compared (not selected in this run): {', '.join(cmp['not_compared'])}")
-    err.print(f"{sum(r['verdict'] == 'ok' for r in cmp['rows'])} more metrics ok; "
-              f"{len(cmp['regressions'])} regression(s)")
 
 
 baseline_app = typer.Typer(no_args_is_help=True, context_settings=HELP_FLAGS, help="Baselines for `compare` and `oneshot --baseline`.")
@@ -403,75 +331,9 @@ def repair_cmd(run_dir: Path = typer.Argument(..., help="a run folder marked run
         raise UsageError(f"'{run_dir}' may still be running (pid {manifest.get('pid')} on {manifest.get('host')}); "
                          f"pass --force if it is not")
     res = run.repair(run_dir, manifest)
-    _show_verdict(res, run_dir)
+    show_verdict(res, run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(run_dir), "status": res["manifest"]["status"], "verdict": res["verdict"]}))
-
-
-class _Console(run.Listener):
-    """Progress on stderr: on a terminal, a bar per suite with the case running now and an ETA
-    from the profile's ``expected_s``; else (a CI log) one plain line per event."""
-
-    def __init__(self, expected_s: dict[str, float]) -> None:
-        self.expected_s = expected_s
-        self.live = err.is_terminal
-        self.t0 = time.monotonic()
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[eta]}"), TextColumn("{task.fields[running]}"),
-                            console=err, transient=False, disable=not self.live)
-        self.tasks: dict[str, object] = {}
-        self.shown: dict[str, int] = {}
-
-    def line(self, text: str) -> None:
-        err.print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", highlight=False, markup=False)
-
-    def run_started(self, run_dir: Path) -> None:
-        err.print(f"run folder: {run_dir}")
-
-    def env_checked(self, report) -> None:
-        show_env(report)
-
-    def env_broken(self) -> None:
-        err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
-
-    def suites_running(self):
-        self.t0 = time.monotonic()
-        return self.bar
-
-    def suite_started(self, name: str, where: str) -> None:
-        self.shown[name] = 0
-        if self.live:
-            self.tasks[name] = self.bar.add_task(f"{name:9s}{where}", total=None, eta="", running="")
-        else:
-            self.line(f"{name}{where}: started")
-
-    def suite_progress(self, name, done, total, running, elapsed_s) -> None:
-        if self.live:
-            self.bar.update(self.tasks[name], completed=len(done), total=total, running=running or "",
-                            eta=_eta(self.expected_s.get(name), elapsed_s))
-            return
-        for c in done[self.shown[name]:]:
-            why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
-            self.line(f"{name}/{c.id} {c.status} ({c.duration_s:.1f} s)"
-                      f" [{len(done)}/{total if total is not None else '?'}]{why}")
-        self.shown[name] = len(done)
-
-    def suite_finished(self, name, where, s) -> None:
-        if self.live:
-            self.bar.update(self.tasks[name], description=f"{name:9s}{where} {s.status}", completed=len(s.cases),
-                            total=len(s.cases), eta="", running="")
-            return
-        self.suite_progress(name, s.cases, len(s.cases), None, 0.0)
-        c = s.counts
-        self.line(f"{name}{where}: {s.status} in {s.duration_s:.1f} s ({c['pass']} passed, {c['fail']} "
-                  f"failed, {c['error']} errors, {c['skip']} skipped)")
-
-    def interrupted(self, signals: list[str]) -> None:
-        err.print(f"[yellow]interrupted[/] ({', '.join(signals) or 'KeyboardInterrupt'}): writing what was finished")
-
-    def shared_gpu_overlaps(self, overlaps: list[str]) -> None:
-        err.print(f"[red]a timed case shared the GPU[/]: {escape(overlaps[0])} (+{len(overlaps) - 1} more; "
-                  f"logs/gpu*_share.jsonl)")
 
 
 def _run(req: run.RunRequest, json_out: bool) -> int:
@@ -480,11 +342,11 @@ def _run(req: run.RunRequest, json_out: bool) -> int:
     with Stop() as stop:                        # before torch is imported: a signal during the import is kept
         with contextlib.suppress(UsageError):   # the ETAs only: execute() reports a bad profile itself
             expected = profiles.resolve(req.profile, req.level)[0].suites.expected_s
-        out = run.execute(req, _Console(expected), stop)
+        out = run.execute(req, ConsoleListener(expected), stop)
     res = out.results
     if res.get("comparison"):
-        _show_comparison(res["comparison"])
-    _show_verdict(res, out.run_dir)
+        show_comparison(res["comparison"])
+    show_verdict(res, out.run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(out.run_dir), "status": out.status, "level": res["manifest"]["level"],
                           "verdict": res["verdict"],
@@ -498,35 +360,6 @@ def _run(req: run.RunRequest, json_out: bool) -> int:
         return EXIT_ENV_BROKEN
     # partial (a suite executed no check) passes without --strict; under --strict verdict() blocked it
     return EXIT_OK if res["verdict"]["status"] in ("pass", "partial") else EXIT_FAIL
-
-
-def _eta(expected_s: float | None, elapsed_s: float) -> str:
-    """A suite's ETA from the profile's expected duration: '~40 s left', or how far past it is."""
-    if not expected_s:
-        return ""
-    left = expected_s - elapsed_s
-    return f"~{left:.0f} s left" if left >= 0 else f"{-left:.0f} s past the profile's ~{expected_s:.0f} s"
-
-
-def _show_verdict(res: dict, run_dir: Path) -> None:
-    t = Table("suite", "status", "pass", "fail", "error", "skip", "time (s)", "note", title="suites", title_justify="left")
-    for n, s in res["suites"].items():
-        c = s["counts"]
-        t.add_row(n, _styled(s["status"]), str(c["pass"]), str(c["fail"]), str(c["error"]), str(c["skip"]),
-                  f"{s['duration_s']:.1f}", escape(s.get("reason", "")))
-    err.print(t)
-    v = res["verdict"]
-    for b in v["blocking"][:20]:
-        err.print(f"  [red]✗[/] {escape(b)}")
-    if len(v["blocking"]) > 20:
-        err.print(f"  … and {len(v['blocking']) - 20} more (report.md lists them all)")
-    for name, why in v.get("not_exercised", {}).items():
-        err.print(f"  [yellow]○[/] {name} not exercised: {escape(why)}")
-    tt = v["totals"]
-    level = run_level(res["manifest"])
-    err.print(f"VERDICT: {escape(v.get('headline', v['status'].upper()))}{' (strict)' if v['strict'] else ''} · level {level} · {tt['pass']} passed, "
-              f"{tt['fail']} failed, {tt['error']} errors, {tt['skip']} skipped · report: {run_dir / 'report.md'}",
-              highlight=False)
 
 
 def _os_error(e: OSError) -> str:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nsa_core import BRANCHES, PAPER, DecodeCache, NSAAttention, routing, tiny
-from nsa_validate.context import current
+from nsa_validate.suite.context import current
 from suites import read_effect
 
 CTX = current()

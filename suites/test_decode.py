@@ -26,8 +26,8 @@ with v zero-padded to d_k (20% more bytes at 192/128) is a second, labelled colu
 = measured reads × (d_k + d_v) × bytes/elem × G × B; achieved GB/s against the device's measured
 copy bandwidth and the profile's spec-sheet figure. The case at the profile's largest batch and
 longest bench context checks its ``expect`` figures (for this GPU). Each case records its row; the
-suite's summary (``nsa_validate.decode_table.summarise``, run by the harness after the suite)
-labels launch-bound rows (eager/graph > 1.5, or a curve flat in S: ``nsa_validate.roofline``),
+suite's summary (``nsa_validate.report.decode_table.summarise``, run by the harness after the suite)
+labels launch-bound rows (eager/graph > 1.5, or a curve flat in S: ``nsa_validate.measure.roofline``),
 writes ``decode.csv`` (columns in ``decode_table.COLUMNS``), two PNG plots, the report table and
 the headline figures.
 
@@ -49,11 +49,12 @@ import pytest
 import torch
 
 from nsa_core.cuda_graph import capturing
-from nsa_validate import decode_table, evidence, limits, ncu, roofline, timing
+from nsa_validate.measure import evidence, limits, ncu, roofline, timing
+from nsa_validate.report import decode_table
 from nsa_validate.bench import decode as decode_bench
-from nsa_validate.context import current
-from nsa_validate.plugin import no_sizes, profile_cases
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.suite.context import current
+from nsa_validate.suite.plugin import no_sizes, profile_cases
+from nsa_validate.measure.tolerance import DTYPES
 from suites import read_effect
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")

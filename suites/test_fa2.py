@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from nsa_core import NSAAttention, reference
 from nsa_core.config import NSAConfig
 from nsa_core.routing import RoutingPolicy
-from nsa_validate import evidence, thresholds, timing
-from nsa_validate.context import current
-from nsa_validate.plugin import profile_cases
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.config import thresholds
+from nsa_validate.measure import evidence, timing
+from nsa_validate.suite.context import current
+from nsa_validate.suite.plugin import profile_cases
+from nsa_validate.measure.tolerance import DTYPES
 from suites.varlen import cu_seqlens, oracle_attention
 
 CTX = current()

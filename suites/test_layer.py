@@ -19,7 +19,7 @@ fail here; a parity test at 4k cannot see them.
 
 The case at the profile's longest B=1 context checks its ``expect.layer_fwd_speedup_min`` /
 ``layer_fwdbwd_speedup_min``. Each bench case records its row; the suite's summary
-(``nsa_validate.layer_table.summarise``, run by the harness after the suite) writes ``layer.csv``,
+(``nsa_validate.report.layer_table.summarise``, run by the harness after the suite) writes ``layer.csv``,
 the plot, the report's "Whole layer" section and the headline figures.
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 
 from nsa_core import NSAAttention, routing
 from nsa_validate.bench import layer
-from nsa_validate.context import current
-from nsa_validate.plugin import profile_cases
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.suite.context import current
+from nsa_validate.suite.plugin import profile_cases
+from nsa_validate.measure.tolerance import DTYPES
 
 CTX = current()
 CFG = CTX.profile.suites.layer

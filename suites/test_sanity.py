@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nsa_core import BRANCHES, DecodeCache, NSAAttention, reference, routing, tiny
-from nsa_validate.context import current
-from nsa_validate.tolerance import DTYPES, FLOOR
+from nsa_validate.suite.context import current
+from nsa_validate.measure.tolerance import DTYPES, FLOOR
 
 CTX = current()
 CFG = CTX.profile.suites.sanity

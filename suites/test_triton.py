@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from nsa_core import NSAAttention, reference, routing
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import RoutingPolicy
-from nsa_validate import evidence, timing
-from nsa_validate.context import current
-from nsa_validate.plugin import profile_cases
-from nsa_validate.tolerance import DTYPES, FLOOR
+from nsa_validate.measure import evidence, timing
+from nsa_validate.suite.context import current
+from nsa_validate.suite.plugin import profile_cases
+from nsa_validate.measure.tolerance import DTYPES, FLOOR
 from suites.varlen import cu_seqlens, oracle_attention
 
 # Under the Triton interpreter a kernel lane that reads memory it does not own (NaN poison, or past
@@ -1103,7 +1103,7 @@ def test_route_recommendation(record, extra):
     written where ``nsa-validate profile suggest`` reads it."""
     if not any(ROUTE_SPEEDUPS.values()):
         pytest.skip("no route bench ran here (see the route_bench cases' reasons)")
-    from nsa_validate import thresholds
+    from nsa_validate.config import thresholds
     suggest = {f"{stage}_triton_min_len": thresholds.recommend(sp, CFG.margin) for stage, sp in ROUTE_SPEEDUPS.items()}
     for stage, sp in ROUTE_SPEEDUPS.items():
         extra.row("Triton route recommendation", {

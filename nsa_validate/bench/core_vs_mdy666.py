@@ -25,7 +25,7 @@ import torch
 
 from kernels import branches
 from kernels.compressed import cmp_cu_seqlens
-from nsa_validate.timing import bench
+from nsa_validate.measure.timing import bench
 
 H, G, D = 64, 4, 128
 L_CMP, D_CMP, BLOCK, N_SEL, WINDOW = 32, 16, 64, 16, 512

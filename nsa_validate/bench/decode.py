@@ -3,7 +3,7 @@
 ``make_inputs`` builds a decode cache of S tokens (random K/V and compressed K/V, NaN past them)
 and the new token's tensors; ``python -m nsa_validate.bench.decode`` runs one eager decode step on
 them between ``cudaProfilerStart``/``Stop``, the region ``ncu --profile-from-start off`` profiles
-(``nsa_validate.ncu``). Same seed, same inputs: the suite and the probe measure the same step.
+(``nsa_validate.measure.ncu``). Same seed, same inputs: the suite and the probe measure the same step.
 
 ``nsa_layer`` + ``kernels.decode_layer.LayerDecodeStep`` are the whole NSA layer's decode step
 (projections, append, φ, gate, attention, output projection); ``DenseDecode`` is the dense
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa_core.config import PAPER, NSAConfig, tiny
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.measure.tolerance import DTYPES
 
 
 def layer_config(paper: bool) -> NSAConfig:
@@ -152,7 +152,7 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. -> timing.LoopTiming."""
-    from nsa_validate import timing
+    from nsa_validate.measure import timing
     B, D = cache.k.shape[0], m.cfg.d_model
     n = loop_rows(calls, device, warmup)
     if t + n > cache.max_len:
@@ -174,7 +174,8 @@ def loop_in_fresh_process(paper: bool, B: int, S: int, capacity: int, dtype: str
     import subprocess
     import sys
 
-    from nsa_validate import orphans, timing
+    from nsa_validate import orphans
+    from nsa_validate.measure import timing
     cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype", dtype,
            "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls), "--seed", str(seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=orphans.die_with_parent())

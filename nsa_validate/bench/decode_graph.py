@@ -20,7 +20,7 @@ import kernels  # noqa: F401  (registers the Triton routes: without it m.decode 
 from nsa_core.cuda_graph import capturing
 from nsa_core.config import PAPER, NSAConfig
 from nsa_validate.bench.decode import nsa_layer
-from nsa_validate.timing import bench
+from nsa_validate.measure.timing import bench
 
 
 @dataclass

@@ -37,8 +37,8 @@ import kernels  # noqa: F401  (registers the Triton and FA-2 backends the routin
 from nsa_core import NSAAttention, routing
 from nsa_core.config import PAPER, NSAConfig, tiny
 from nsa_core.routing import BRANCHES, RoutingPolicy
-from nsa_validate import timing
-from nsa_validate.tolerance import DTYPES
+from nsa_validate.measure import timing
+from nsa_validate.measure.tolerance import DTYPES
 
 HOST_BOUND = 1.5            # timed / queued (GPU work alone) above which a measurement is labelled host-bound
 QUEUED_REPS = 5             # repetitions of the queued timing

@@ -15,15 +15,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nsa_validate import __version__, compare, envcheck, gpu_share, profiles, rundir
-from nsa_validate.context import RunContext
+from nsa_validate import __version__
+from nsa_validate.config import profiles
+from nsa_validate.env import envcheck
+from nsa_validate.run import compare, rundir
+from nsa_validate.suite import gpu_share
+from nsa_validate.suite.context import RunContext
 from nsa_validate.errors import UsageError
-from nsa_validate.registry import SUITES
+from nsa_validate.config.registry import SUITES
 from nsa_validate.run.finish import finish, mark_failed
 from nsa_validate.run.listener import Listener
 from nsa_validate.run.stop import Stop
-from nsa_validate.runner import SuiteInterrupted, run_suite
-from nsa_validate.schema import CaseRecord, SuiteResult, write_json
+from nsa_validate.run.runner import SuiteInterrupted, run_suite
+from nsa_validate.report.schema import CaseRecord, SuiteResult, write_json
 
 
 @dataclass

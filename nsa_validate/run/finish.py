@@ -8,9 +8,12 @@ import os
 import socket
 from pathlib import Path
 
-from nsa_validate import compare, junit, metrics_csv, profiles, report, rundir, safefs
+from nsa_validate import safefs
+from nsa_validate.config import profiles
+from nsa_validate.report import junit, markdown, metrics_csv
+from nsa_validate.run import compare, rundir
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, to_json, verdict,
+from nsa_validate.report.schema import (SCHEMA_VERSION, CaseRecord, SuiteResult, headline, load_results, read_json, to_json, verdict,
                                  write_json)
 
 
@@ -94,8 +97,8 @@ def _unfinished_headline(status: str, results: dict[str, SuiteResult], not_exerc
 
 def write_views(run_dir: Path, res: dict, embed_plots: bool = False) -> None:
     """What ``report`` re-renders from results.json: report.md, summary.txt, metrics.csv."""
-    safefs.atomic_write(run_dir / "report.md", report.render(res, embed_plots))
-    safefs.atomic_write(run_dir / "summary.txt", report.summary_text(res))
+    safefs.atomic_write(run_dir / "report.md", markdown.render(res, embed_plots))
+    safefs.atomic_write(run_dir / "summary.txt", markdown.summary_text(res))
     metrics_csv.write(res, run_dir / "metrics.csv")
 
 
@@ -181,7 +184,7 @@ def repair(run_dir: Path, manifest: dict) -> dict:
     """Results of a run whose process vanished, from the records its suites left. A run that died
     between writing results.json and manifest.json (the last write) is finished: its manifest is
     restored from its results, which are left as they are."""
-    from nsa_validate.runner import read_records, suite_result
+    from nsa_validate.run.runner import read_records, suite_result
     try:
         done = load_results(run_dir / "results.json")
     except (OSError, ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from nsa_validate.schema import CaseRecord, SuiteResult
+from nsa_validate.report.schema import CaseRecord, SuiteResult
 
 
 class Listener:

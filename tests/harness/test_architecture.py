@@ -1,7 +1,8 @@
 """The packages' layering, read from the source: nsa_core (the NSA) < kernels (its fast paths) <
-nsa_validate (the harness) < suites (what it checks). Every import, lazy ones included, points
-down or sideways; no import cycle between modules; the dispatch log imports nothing of the project; every
-CUDA graph is captured through one helper."""
+nsa_validate (the harness) < suites (what it checks); inside the harness, its subpackages in the
+order of ``HARNESS``. Every import, lazy ones included, points down or sideways; no import cycle
+between modules; the dispatch log imports nothing of the project; every CUDA graph is captured
+through one helper."""
 from __future__ import annotations
 
 import ast
@@ -55,10 +56,54 @@ def _layer(module: str) -> int:
     return LAYERS.index(module.split(".")[0])
 
 
+# The harness, bottom up: each group imports only from the groups before it (or within itself).
+# "base" and "cli" are the top-level modules; every other group is a subpackage of that name.
+HARNESS = {
+    "base": {"nsa_validate", "nsa_validate.errors", "nsa_validate.paths", "nsa_validate.safefs",
+             "nsa_validate.orphans", "nsa_validate.startup"},
+    "env": "what this machine is and can do",
+    "measure": "timing, tolerances, hardware ceilings, roofline, evidence, Nsight Compute",
+    "bench": "benchmarks as plain functions returning rows",
+    "report": "the results schema and everything rendered from results.json",
+    "config": "suites registry, typed profiles, routing thresholds",
+    "suite": "what a suite's pytest process loads",
+    "run": "the run lifecycle in the CLI's process",
+    "cli": {"nsa_validate.cli", "nsa_validate.console", "nsa_validate.__main__"},
+}
+GROUPS = list(HARNESS)
+
+
+def _group(module: str) -> str | None:
+    for g, members in HARNESS.items():
+        if isinstance(members, set):
+            if module in members:
+                return g
+        elif module == f"nsa_validate.{g}" or module.startswith(f"nsa_validate.{g}."):
+            return g
+    return None
+
+
+HARNESS_MODULES = sorted(m for m in MODULES if m.split(".")[0] == "nsa_validate")
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module):
     up = sorted(t for t in GRAPH[module] if _layer(t) > _layer(module))
     assert not up, f"{module} imports {up}, a layer above it ({' < '.join(LAYERS)})"
+
+
+@pytest.mark.parametrize("module", HARNESS_MODULES)
+def test_the_harness_module_sits_in_its_group(module):
+    """A new module goes into the subpackage of what it does (the groups above), not the top level."""
+    assert _group(module) is not None, (f"{module} belongs to no group of nsa_validate/: put it in one of "
+                                        f"{', '.join(g for g in GROUPS if not isinstance(HARNESS[g], set))}")
+
+
+@pytest.mark.parametrize("module", HARNESS_MODULES)
+def test_harness_imports_point_down_its_groups(module):
+    here = GROUPS.index(_group(module))
+    up = sorted(t for t in GRAPH[module] if t in HARNESS_MODULES and GROUPS.index(_group(t)) > here)
+    assert not up, f"{module} ({_group(module)}) imports {up}, a group above it ({' < '.join(GROUPS)})"
 
 
 def test_no_import_cycle():
@@ -86,7 +131,7 @@ def test_the_dispatch_log_imports_nothing_of_the_project():
 
 def test_the_graph_was_read():
     """The checks above are about something: the known edges are there."""
-    assert "nsa_core.routing" in GRAPH["kernels.routes"] and "nsa_validate.registry" in GRAPH["nsa_validate.profiles"]
+    assert "nsa_core.routing" in GRAPH["kernels.routes"] and "nsa_validate.config.registry" in GRAPH["nsa_validate.config.profiles"]
 
 
 def test_every_cuda_graph_is_captured_through_capturing():

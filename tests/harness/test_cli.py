@@ -190,7 +190,7 @@ def _small_profile(tmp_path) -> Path:
     full suites run in their own tests; on a CPU the interpreter is slow)."""
     import torch
 
-    from nsa_validate.profiles import auto_name, resolved
+    from nsa_validate.config.profiles import auto_name, resolved
     name = auto_name(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     prof = resolved(REPO / "profiles" / f"{name}.yaml")    # a GPU profile extends base/gpu
     prof.pop("levels", None)                      # the cuts below hold at every level
@@ -348,6 +348,6 @@ def test_terminal_progress_shows_the_running_case_and_an_eta(tmp_path):
 
 
 def test_eta_text():
-    from nsa_validate.cli import _eta
+    from nsa_validate.console import eta as _eta
     assert _eta(None, 5.0) == "" and _eta(60, 20.4) == "~40 s left"
     assert _eta(60, 75) == "15 s past the profile's ~60 s"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nsa_validate import timing
-from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, verdict, write_json
+from nsa_validate.measure import timing
+from nsa_validate.report.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, verdict, write_json
 from tests.harness.test_cli import cli
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "sm": "sm90"}
@@ -177,7 +177,7 @@ def test_gpus_flag_is_checked():
 
 def test_shards_balance_by_the_profile_timeouts():
     from nsa_validate.run import shard as _shard
-    from nsa_validate.profiles import load
+    from nsa_validate.config.profiles import load
     prof = load("sm90")
     names = ["sanity", "triton", "fa2", "decode", "layer", "counters"]
     shards = _shard(names, prof, 2)

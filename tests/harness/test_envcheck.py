@@ -1,7 +1,7 @@
 """Pairing logic with faked versions and metadata."""
 from pathlib import Path
 
-from nsa_validate import envcheck as ec
+from nsa_validate.env import envcheck as ec
 
 TORCH_211 = ['filelock', 'triton==3.6.0; platform_system == "Linux"', 'sympy>=1.13.3',
              'opt-einsum>=3.3; extra == "opt-einsum"']

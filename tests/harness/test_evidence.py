@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from nsa_validate import evidence, plugin
+from nsa_validate.measure import evidence
+from nsa_validate.suite import plugin
 from nsa_validate.paths import REPO_ROOT as REPO
 
 FA = "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>, " \

@@ -1,4 +1,4 @@
-"""Suites sharing a GPU (nsa_validate.gpu_share): parity cases together, a timed case alone."""
+"""Suites sharing a GPU (nsa_validate.suite.gpu_share): parity cases together, a timed case alone."""
 import json
 import re
 import threading
@@ -6,7 +6,7 @@ import time
 
 import yaml
 
-from nsa_validate import gpu_share
+from nsa_validate.suite import gpu_share
 from tests.harness.test_cli import _small_profile, cli
 
 

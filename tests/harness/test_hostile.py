@@ -18,7 +18,7 @@ import yaml
 from test_cli import REPO, cli
 from test_compare import make_run
 
-from nsa_validate import rundir
+from nsa_validate.run import rundir
 from nsa_validate.errors import UsageError
 from nsa_validate.paths import REPO_ROOT
 
@@ -394,7 +394,7 @@ def test_a_disk_that_fills_up_is_named_marked_and_repairable(tmp_path, monkeypat
     ("suites.layer.shapes", [[1, 0]], "suites.layer.shapes[0]"),
 ])
 def test_out_of_range_profile_values_are_bad_input(tmp_path, path, value, field):
-    from nsa_validate import profiles
+    from nsa_validate.config import profiles
     data = yaml.safe_load((REPO / "profiles" / "cpu.yaml").read_text())
     node = data
     *parents, leaf = path.split(".")
@@ -535,9 +535,10 @@ def test_a_malformed_baseline_file_is_refused_before_anything_runs(tmp_path, fie
 def test_a_failure_while_comparing_never_loses_the_run(tmp_path, monkeypatch):
     """The comparison breaking after the suites ran: results.json, the report and JUnit are still written,
     and the verdict fails naming why."""
-    from nsa_validate import compare, profiles
+    from nsa_validate.config import profiles
+    from nsa_validate.run import compare
     from nsa_validate.run.finish import finish
-    from nsa_validate.schema import CaseRecord, SuiteResult
+    from nsa_validate.report.schema import CaseRecord, SuiteResult
 
     def broken(*a, **k):
         raise AttributeError("'str' object has no attribute 'get'")
@@ -663,7 +664,7 @@ def test_a_folder_given_as_a_profile_is_named_so(tmp_path):
 
 def test_headlines_of_unfinished_runs_say_what_stopped_them():
     from nsa_validate.run.finish import _unfinished_headline
-    from nsa_validate.schema import SuiteResult
+    from nsa_validate.report.schema import SuiteResult
     assert "environment broken" in _unfinished_headline("env-broken", {}, {})
     h = _unfinished_headline("interrupted", {"sanity": SuiteResult("sanity", "pass", cases=[]),
                                              "triton": SuiteResult("triton", "error", cases=[])}, {})

@@ -2,9 +2,9 @@
 renders (the path a GPU run reaches when a shape does not fit; forced here on a CPU)."""
 import torch
 
-from nsa_validate import layer_table
+from nsa_validate.report import layer_table
 from nsa_validate.bench import layer
-from nsa_validate.extra import SuiteExtra
+from nsa_validate.report.extra import SuiteExtra
 
 OOM = "CUDA out of memory. Tried to allocate 96.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
 

@@ -4,9 +4,9 @@ shown bracketed and left out of the sums."""
 import torch
 
 from nsa_core import NSAAttention, routing, tiny
-from nsa_validate import layer_table
+from nsa_validate.report import layer_table
 from nsa_validate.bench import layer
-from nsa_validate.extra import SuiteExtra
+from nsa_validate.report.extra import SuiteExtra
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_EVERYWHERE = routing.RoutingPolicy.triton_everywhere()

@@ -2,7 +2,8 @@
 the spec sheet, non-positive times."""
 import pytest
 
-from nsa_validate import limits, plugin, timing
+from nsa_validate.measure import limits, timing
+from nsa_validate.suite import plugin
 
 H100 = limits.Ceilings(copy_gbs=3000.0, read_gbs=3100.0, l2_bytes=50 << 20, peak_tflops=989.0)
 

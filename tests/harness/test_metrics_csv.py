@@ -4,8 +4,8 @@ import json
 
 import pandas as pd
 
-from nsa_validate import metrics_csv
-from nsa_validate.schema import load_results, write_json
+from nsa_validate.report import metrics_csv
+from nsa_validate.report.schema import load_results, write_json
 from tests.harness.test_cli import cli
 from tests.harness.test_compare import make_run
 

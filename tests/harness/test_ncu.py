@@ -1,8 +1,8 @@
-"""nsa_validate.ncu: the metric table Nsight Compute 2025.3 printed on an H100 for a decode step
+"""nsa_validate.measure.ncu: the metric table Nsight Compute 2025.3 printed on an H100 for a decode step
 (its first two launches), parsed into one row per launch; what it cannot parse is an error."""
 import pytest
 
-from nsa_validate import ncu
+from nsa_validate.measure import ncu
 
 HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
         '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')

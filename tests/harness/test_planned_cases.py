@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 
-from nsa_validate import profiles
-from nsa_validate.context import RunContext
+from nsa_validate.config import profiles
+from nsa_validate.suite.context import RunContext
 from nsa_validate.paths import REPO_ROOT
-from nsa_validate.registry import SanityCfg, Suite
-from nsa_validate.runner import run_suite
+from nsa_validate.config.registry import SanityCfg, Suite
+from nsa_validate.run.runner import run_suite
 
 PLANTED = {
     "exits-at-import": "import sys\nsys.exit(0)\n",

@@ -84,7 +84,7 @@ def test_apply_edits_the_top_level_routing_key_only():
     that is not a profile is refused, not edited."""
     import pytest
 
-    from nsa_validate import thresholds
+    from nsa_validate.config import thresholds
     text = ("name: x\nsuites:\n  layer:\n    routing:\n      sel_triton_min_len: 5   # not this one\n"
             "routing:\n  # the threshold\n  sel_triton_min_len: 1024  # this one\n  fa2_backend: auto\n")
     out = thresholds.rewrite_routing(text, {"sel_triton_min_len": 4096}, "# h\n")

@@ -1,6 +1,6 @@
 import pytest
 
-from nsa_validate import profiles
+from nsa_validate.config import profiles
 from nsa_validate.errors import UsageError
 
 SHIPPED = ["cpu", "sm80", "sm86", "sm89", "sm90", "sm100"]
@@ -106,7 +106,7 @@ def test_bad_device_expectations_name_the_field(tmp_path, text, needle):
 def test_extends_puts_the_base_underneath_and_refuses_cycles(tmp_path):
     """`extends:` merges the named file underneath (mappings key by key, lists replaced); a copy of a
     shipped profile finds base/gpu among the shipped ones; a cycle is one clear error."""
-    from nsa_validate import profiles
+    from nsa_validate.config import profiles
     from nsa_validate.errors import UsageError
     shipped = profiles.load("sm86", "full")
     assert shipped.suites.triton.long_seq_lens == [32768] and shipped.suites.triton.dtypes == ["bf16", "fp16"]

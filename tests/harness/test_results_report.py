@@ -3,8 +3,8 @@ import pytest
 import json
 import xml.etree.ElementTree as ET
 
-from nsa_validate import junit, report
-from nsa_validate.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
+from nsa_validate.report import junit, markdown
+from nsa_validate.report.schema import SCHEMA_VERSION, CaseRecord, SuiteResult, load_results, verdict, write_json
 
 
 def _suites():
@@ -59,7 +59,7 @@ def _results(tmp_path):
 
 
 def test_report_renders_from_results_only(tmp_path):
-    md = report.render(_results(tmp_path))
+    md = markdown.render(_results(tmp_path))
     assert md.startswith("# nsa-validate: PARTIAL: sanity passed; fa2 not exercised")
     assert "- **fa2 not exercised**: no CUDA device" in md
     assert "| sanity | pass | 1 | 0 | 0 | 0 |" in md
@@ -68,7 +68,7 @@ def test_report_renders_from_results_only(tmp_path):
 
 
 def test_routing_files_each_kernel_under_the_backend_that_ran_it(tmp_path):
-    from nsa_validate import profiles
+    from nsa_validate.config import profiles
     from nsa_validate.run.finish import routing_record
     cases = [CaseRecord("a", "decode", "pass", backends={"decode/cmp": ["triton"]},
                         kernels={"decode/cmp": ["_partial_kernel"]}),
@@ -80,17 +80,17 @@ def test_routing_files_each_kernel_under_the_backend_that_ran_it(tmp_path):
                                                                "triton": ["_partial_kernel"]}
     res = _results(tmp_path)
     res["routing"] = rt
-    row = next(r for r in report.render(res).splitlines() if r.startswith("| decode/cmp"))
+    row = next(r for r in markdown.render(res).splitlines() if r.startswith("| decode/cmp"))
     assert "**torch**: elementwise_kernel<br>**triton**: _partial_kernel" in row
 
 
 def test_first_screen_and_summary_text(tmp_path):
     res = _results(tmp_path)
-    md = report.render(res)
+    md = markdown.render(res)
     first = md.split("\n")[:4]
     assert first[0].startswith("# nsa-validate: PARTIAL") and "passed" in first[2] and "level" in first[2]
     assert md.index("## Environment") < md.index("<details>")            # the header folds away
-    txt = report.summary_text(res)
+    txt = markdown.summary_text(res)
     assert txt.startswith("nsa-validate: PARTIAL") and "not exercised: fa2: no CUDA device" in txt
     assert "|" not in txt and "<" not in txt                                 # plain text, no markup
 

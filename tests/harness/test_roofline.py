@@ -1,5 +1,5 @@
 """Decode roofline helpers: a flat, host-bound curve is labelled launch-bound."""
-from nsa_validate import roofline
+from nsa_validate.measure import roofline
 
 
 def test_bytes_and_bandwidth():
@@ -38,9 +38,10 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
     import time
 
     from nsa_core.config import PAPER
-    from nsa_validate import decode_table, report, timing
-    from nsa_validate.extra import SuiteExtra
-    from nsa_validate.schema import CaseRecord, SuiteResult, verdict
+    from nsa_validate.measure import timing
+    from nsa_validate.report import decode_table, markdown
+    from nsa_validate.report.extra import SuiteExtra
+    from nsa_validate.report.schema import CaseRecord, SuiteResult, verdict
 
     def host_bound_step():
         time.sleep(0.003)
@@ -69,12 +70,12 @@ def test_host_bound_sweep_is_labelled_launch_bound_in_the_report(tmp_path):
                                extra=extra.data)}
     res = {"manifest": {"command": []}, "env": {}, "suites": {n: x.to_dict() for n, x in s.items()},
            "verdict": verdict(s, strict=False)}
-    md = report.render(res)
+    md = markdown.render(res)
     table = [ln for ln in md.splitlines() if ln.startswith("| 1 |")]
     assert len(table) == 4 and all("yes: time flat" in ln for ln in table), table
     # report --embed-plots: each plot's data inline as a Mermaid chart (GitHub strips data: images)
     assert "```mermaid" not in md
-    md = report.render(res, embed_plots=True)
+    md = markdown.render(res, embed_plots=True)
     charts = md.count("```mermaid")
     assert charts == len(extra.data["plots"]) and "xychart-beta" in md, md[-1500:]
     assert 'x-axis "context" ["128", "512", "1k", "4k"]' in md
@@ -88,7 +89,7 @@ def test_dram_rows_put_each_launch_beside_its_formula_share():
     step with the bytes counted from the indices. Figures from an H200 step (B=16, 128k)."""
     import pandas as pd
 
-    from nsa_validate import decode_table
+    from nsa_validate.report import decode_table
     launches = ("append", "compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial", "merge")
     df = pd.DataFrame({"kernel": ["_append_kernel", "_partial_kernel", "_scores_kernel", "_topn_kernel", "_partial_kernel",
                                   "_merge_kernel"],

@@ -1,7 +1,7 @@
 """The FA-2 threshold rule on synthetic speedup tables, and the profile rewrite."""
 import yaml
 
-from nsa_validate.thresholds import pick_backend, recommend, rewrite_routing
+from nsa_validate.config.thresholds import pick_backend, recommend, rewrite_routing
 
 
 def test_no_qualifying_length_disables():

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from nsa_validate import timing
+from nsa_validate.measure import timing
 
 
 def test_summary_is_median_and_p20_p80_of_the_samples():
@@ -41,7 +41,7 @@ def test_gpu_loop_tells_the_hosts_cost_from_the_gpus_work():
     """``loop`` on a GPU: a call whose GPU work (~1 ms of sleep) outlasts its host work reads ~1 ms a
     call by the wall clock and the events, while its host cost is far below; a call with 1 ms of
     Python and little GPU work reads ~1 ms by all three."""
-    from nsa_validate.timing import _sleep_cycles_per_ms
+    from nsa_validate.measure.timing import _sleep_cycles_per_ms
     cycles = int(_sleep_cycles_per_ms())
     x = torch.zeros(1, device="cuda")
     gpu = timing.loop(lambda i: torch.cuda._sleep(cycles), 20, device="cuda")
@@ -72,7 +72,7 @@ def test_loop_timing_with_a_host_cost_above_its_wall_time_is_implausible():
 def test_gpu_warmup_runs_for_warmup_ms_of_gpu_time():
     """On a GPU the warm-up runs the timed loop's iteration (flush, call) until it has taken
     WARMUP_MS of GPU time; warmup=0 means none at all. A call of ~1 ms of GPU sleep needs ~25."""
-    from nsa_validate.timing import _sleep_cycles_per_ms
+    from nsa_validate.measure.timing import _sleep_cycles_per_ms
     cycles = int(_sleep_cycles_per_ms())
     calls = []
 
@@ -92,7 +92,7 @@ def test_graph_samples_are_gpu_time_even_when_the_host_lags(monkeypatch):
     """graph=True: a host that is late launching the work must not land inside the samples. Every
     graph replay here first sleeps 2 ms on the host; the samples of 0.2 ms of GPU work stay 0.2 ms
     (each replay launched between events on the stream would measure ~2 ms)."""
-    from nsa_validate.timing import _events_in_graph, _sleep_cycles_per_ms
+    from nsa_validate.measure.timing import _events_in_graph, _sleep_cycles_per_ms
     if not _events_in_graph():
         pytest.skip("this torch cannot record CUDA events inside a graph (Event(external=True))")
     cycles = int(0.2 * _sleep_cycles_per_ms())
@@ -140,7 +140,7 @@ def test_layer_measurement_is_host_bound_by_its_gpu_work_alone(tmp_path):
     """A layer measurement is host-bound when its timed figure exceeds the GPU's work alone by
     HOST_BOUND, and the tables then show the GPU's figure beside it; host time alone decides
     nothing (CUDA events around a host-bound call measure the host, so the two agree)."""
-    from nsa_validate import layer_table
+    from nsa_validate.report import layer_table
     from nsa_validate.bench import layer
     slow = layer.Measured(ms=1.12, p20_ms=1.1, p80_ms=1.2, host_ms=1.1, gpu_ms=0.22, timer="cuda_events")
     fine = layer.Measured(ms=10.0, p20_ms=9.9, p80_ms=10.1, host_ms=0.5, gpu_ms=9.8, timer="cuda_events")

@@ -1,10 +1,10 @@
 """The tolerance rule itself, pinned: an output just outside twice the low-precision oracle's error (plus
 the dtype's floor) fails and one just inside passes, in every dtype; the floor is the dtype's, not wider;
-the relative-RMS bar holds on its own. A rule loosened in ``nsa_validate/tolerance.py`` fails here."""
+the relative-RMS bar holds on its own. A rule loosened in ``nsa_validate/measure/tolerance.py`` fails here."""
 import pytest
 import torch
 
-from nsa_validate.tolerance import REL_RMS_BAR, compare
+from nsa_validate.measure.tolerance import REL_RMS_BAR, compare
 
 # the rule as docs/method.md states it, written out here rather than read from the module under test: a
 # floor or factor widened there fails these tests

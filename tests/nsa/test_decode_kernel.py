@@ -7,7 +7,7 @@ import torch
 
 from nsa_core import DecodeCache, NSAAttention, reference, routing, tiny
 from nsa_core.config import BRANCHES
-from nsa_validate.tolerance import compare
+from nsa_validate.measure.tolerance import compare
 
 # the cache is NaN-poisoned past the prefill: under the interpreter a read of it warns, and fails
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")

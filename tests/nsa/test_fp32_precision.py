@@ -13,7 +13,7 @@ import torch
 
 from nsa_core import reference
 from nsa_core.config import tiny
-from nsa_validate.tolerance import compare, explain
+from nsa_validate.measure.tolerance import compare, explain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="TF32 exists only on a GPU (the interpreter computes fp32 dots in IEEE)")

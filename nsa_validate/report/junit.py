@@ -8,7 +8,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from nsa_validate.schema import run_level
+from nsa_validate.report.schema import run_level
 
 
 def write(results: dict, path: Path) -> None:

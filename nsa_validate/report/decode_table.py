@@ -8,7 +8,8 @@ import math
 
 import pandas as pd
 
-from nsa_validate import figures, roofline
+from nsa_validate.measure import roofline
+from nsa_validate.report import figures
 
 COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, level, dtype
     "B": "batch rows (one new token each)",

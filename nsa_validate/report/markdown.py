@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nsa_validate import figures
-from nsa_validate.schema import run_level
+from nsa_validate.report import figures
+from nsa_validate.report.schema import run_level
 
 
 def md_table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from nsa_validate.errors import UsageError
-from nsa_validate.schema import load_results, read_json, run_level
+from nsa_validate.report.schema import load_results, read_json, run_level
 
 # cases earlier versions of the suites had, and where their checks are now
 RETIRED = {
@@ -160,7 +160,7 @@ def check_target(path: Path, run_dir: Path, protected: tuple[Path, ...] = ()) ->
     """Refuse a baseline target that could destroy anything: a folder, a path in (or equal to) a
     run folder or one of the ``protected`` roots (the artifacts folder), or an existing file that is
     not a baseline file."""
-    from nsa_validate import rundir
+    from nsa_validate.run import rundir
     p = rundir.resolve(rundir.expand(path))
     if p.is_dir():
         raise UsageError(f"--out '{path}' is a folder; give the baseline file to write (e.g. baselines/NAME.json)")

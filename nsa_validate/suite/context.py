@@ -11,8 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nsa_validate import profiles
-from nsa_validate.profiles import Profile
+from nsa_validate.config import profiles
+from nsa_validate.config.profiles import Profile
 
 
 @dataclass

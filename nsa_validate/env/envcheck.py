@@ -168,7 +168,8 @@ def run_interpreter_probe(timeout: float = 180) -> tuple[dict | None, str | None
     Triton reads the switch when a kernel is defined, so this process's own kernels are unaffected)."""
     import json
 
-    from nsa_validate import interpret, orphans
+    from nsa_validate import orphans
+    from nsa_validate.env import interpret
     env = interpret.child_env("cpu")
     try:
         p = subprocess.run([sys.executable, "-m", "kernels.interpreter"], capture_output=True, text=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nsa_validate.report import key_figures, md_table
+from nsa_validate.report.markdown import key_figures, md_table
 
 
 def summarise(runs: list[tuple[Path, dict]]) -> dict:

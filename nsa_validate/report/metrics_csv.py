@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from nsa_validate.schema import run_level
+from nsa_validate.report.schema import run_level
 
 COLUMNS = ["run_id", "tool_version", "gpu", "commit", "profile", "level", "suite", "case", "status", "params",
            "metric", "value", "unit"]

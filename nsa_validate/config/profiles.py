@@ -23,7 +23,7 @@ import yaml
 from nsa_core.routing import RoutingPolicy
 from nsa_validate.errors import UsageError
 from nsa_validate.paths import PROFILE_DIR
-from nsa_validate.registry import SUITES, bad, check_routing, positive
+from nsa_validate.config.registry import SUITES, bad, check_routing, positive
 
 LEVELS = ("quick", "standard", "full")
 DEFAULT_LEVEL = "standard"
@@ -42,7 +42,7 @@ SuitesCfg.__doc__ = "A profile's ``suites``: limits and ETAs per suite, and each
 @dataclass
 class ExpectCfg:
     # spec-sheet dense fp16/bf16 tensor-core rate of the family's fastest part (no sparsity): a
-    # ceiling no measurement may pass (nsa_validate.limits)
+    # ceiling no measurement may pass (nsa_validate.measure.limits)
     peak_tflops: float | None = None
     peak_bandwidth_gbs: float | None = None      # spec-sheet HBM bandwidth
     decode_roofline_min: float | None = None     # fraction of measured copy bandwidth

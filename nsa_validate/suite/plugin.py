@@ -15,9 +15,10 @@ import pytest
 
 from nsa_core import routing
 from nsa_core.routing import DispatchLog
-from nsa_validate import context, evidence, limits, tolerance
-from nsa_validate.context import RunContext
-from nsa_validate.extra import SuiteExtra
+from nsa_validate.measure import evidence, limits, tolerance
+from nsa_validate.suite import context
+from nsa_validate.suite.context import RunContext
+from nsa_validate.report.extra import SuiteExtra
 
 
 class Recorder:
@@ -138,7 +139,7 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
     config.addinivalue_line("markers", "nsa_exclusive: times the GPU, reads its counters or needs much of its "
-                                       "memory: runs alone on it when suites share a GPU (nsa_validate.gpu_share)")
+                                       "memory: runs alone on it when suites share a GPU (nsa_validate.suite.gpu_share)")
     path = config.getoption("--nsa-context")
     if path:
         ctx = RunContext.load(path)
@@ -148,7 +149,7 @@ def pytest_configure(config) -> None:
         if ctx.parent_pid and os.getppid() == ctx.parent_pid and os.getpgrp() == os.getpid():
             _watch_parent(ctx.parent_pid)
         if ctx.gpu_lock:
-            from nsa_validate import gpu_share
+            from nsa_validate.suite import gpu_share
             _STARTUP.append(gpu_share.announce(ctx.gpu_lock))
 
 
@@ -195,7 +196,7 @@ def _hold(item, exclusive: bool, phase: str = "", release_memory: bool = False):
     if not path:
         yield
         return
-    from nsa_validate import gpu_share
+    from nsa_validate.suite import gpu_share
     while _STARTUP:
         gpu_share.release(_STARTUP.pop())
     with gpu_share.hold(path, exclusive=exclusive, what=item.nodeid + (f" ({phase})" if phase else "")):

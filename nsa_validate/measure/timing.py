@@ -84,7 +84,7 @@ class Timing:
 
 
 def _telemetry() -> dict:
-    from nsa_validate.envcheck import gpu_telemetry
+    from nsa_validate.env.envcheck import gpu_telemetry
     t = gpu_telemetry()
     return {k: t[k] for k in ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "pstate") if k in t}
 

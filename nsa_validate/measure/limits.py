@@ -38,7 +38,7 @@ def measured_bandwidth() -> tuple[float, float]:
     events: a graph-captured 1 GiB copy reads lower on an H100)."""
     import torch
 
-    from nsa_validate import timing
+    from nsa_validate.measure import timing
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy = timing.bench(lambda: dst.copy_(src), l2_flush=False, telemetry=False)

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from nsa_validate import figures
+from nsa_validate.report import figures
 from nsa_validate.bench.layer import HOST_BOUND, ONE_OP, PARTS_OF_ONE_OP, STAGES, Measured, Row, summed
 
 TABLE = "Whole layer: NSA prefill vs the fastest same-bytes dense layer (ms, medians)"

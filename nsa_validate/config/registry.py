@@ -230,12 +230,12 @@ class Suite:
 
 # summaries import pandas and matplotlib only when a suite has finished (not at every CLI start)
 def _decode_summary(cases, ctx, extra) -> None:
-    from nsa_validate import decode_table
+    from nsa_validate.report import decode_table
     decode_table.summarise(cases, ctx, extra)
 
 
 def _layer_summary(cases, ctx, extra) -> None:
-    from nsa_validate import layer_table
+    from nsa_validate.report import layer_table
     layer_table.summarise(cases, ctx, extra)
 
 

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from nsa_validate import interpret, orphans
-from nsa_validate.context import RunContext
+from nsa_validate import orphans
+from nsa_validate.env import interpret
+from nsa_validate.suite.context import RunContext
 from nsa_validate.paths import REPO_ROOT
-from nsa_validate.schema import CaseRecord, SuiteResult, suite_status
-from nsa_validate.extra import SuiteExtra, merged
-from nsa_validate.registry import SUITES, Suite
+from nsa_validate.report.schema import CaseRecord, SuiteResult, suite_status
+from nsa_validate.report.extra import SuiteExtra, merged
+from nsa_validate.config.registry import SUITES, Suite
 
 
 
