@@ -25,39 +25,63 @@ def _inputs(dtype, seed=0):
     return r(T, G * h, DK), r(T, G, DK), r(T, G, DV), r(N, G, DK), r(N, G, DV), r(T, G * h, DV)
 
 
-def _run_all(common, compressed, scoring, selection, index, dtype):
+def _stages(compressed, scoring, selection, dtype):
+    """The five kernel stages in order, each with the launch lists it takes its settings from and a
+    function of the earlier stages' outputs (a dict) returning its own."""
     q, k, v, kc, vc, do = _inputs(dtype)
-    with common.forced_config(index):
-        cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
-        cu_c = compressed.cmp_cu_seqlens(cu, CMP_LEN, CMP_STRIDE)
+    size = q.element_size()
+    cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+    cu_c = compressed.cmp_cu_seqlens(cu, CMP_LEN, CMP_STRIDE)
+
+    def cmp_fwd(w):
         o, lse = compressed.compressed_attention_fwd(q, kc, vc, CMP_LEN, CMP_STRIDE, cu, cu_c, max_seqlen=T)
-        grads_c = compressed.compressed_attention_bwd(do, q, kc, vc, o, lse, CMP_LEN, CMP_STRIDE, cu, cu_c, max_seqlen=T)
-        idx = scoring.select_blocks(q, kc, lse, CMP_LEN, CMP_STRIDE, L, N_SEL, cu, cu_c, max_seqlen=T)
-        os_, lse_s = selection.selection_attention_fwd(q, k, v, idx, L, cu, max_seqlen=T)
-        grads_s = selection.selection_attention_bwd(do, q, k, v, os_, lse_s, idx, L, cu, max_seqlen=T)
-    return {"cmp_o": o, "cmp_lse": lse, **{f"cmp_d{n}": x for n, x in zip("qkv", grads_c)},
-            "idx": idx, "sel_o": os_, **{f"sel_d{n}": x for n, x in zip("qkv", grads_s)}}
+        return {"cmp_o": o, "cmp_lse": lse}
+
+    def cmp_bwd(w):
+        g = compressed.compressed_attention_bwd(do, q, kc, vc, w["cmp_o"], w["cmp_lse"], CMP_LEN, CMP_STRIDE, cu, cu_c,
+                                                max_seqlen=T)
+        return {f"cmp_d{n}": x for n, x in zip("qkv", g)}
+
+    def scores(w):
+        return {"idx": scoring.select_blocks(q, kc, w["cmp_lse"], CMP_LEN, CMP_STRIDE, L, N_SEL, cu, cu_c, max_seqlen=T)}
+
+    def sel_fwd(w):
+        o, lse = selection.selection_attention_fwd(q, k, v, w["idx"], L, cu, max_seqlen=T)
+        return {"sel_o": o, "sel_lse": lse}
+
+    def sel_bwd(w):
+        g = selection.selection_attention_bwd(do, q, k, v, w["sel_o"], w["sel_lse"], w["idx"], L, cu, max_seqlen=T)
+        return {f"sel_d{n}": x for n, x in zip("qkv", g)}
+    return [("cmp_fwd", [compressed.launch_configs("fwd", h, DK, DV, size)], cmp_fwd),
+            ("cmp_bwd", [compressed.launch_configs(kk, h, DK, DV, size) for kk in ("dq", "dkdv")], cmp_bwd),
+            ("scores", [scoring.launch_configs(h, DK, N_SEL, size)], scores),
+            ("sel_fwd", [selection.launch_configs("fwd", DK, DV)], sel_fwd),
+            ("sel_bwd", [selection.launch_configs(kk, DK, DV) for kk in ("dq", "dkdv")], sel_bwd)]
 
 
 # fp16 takes the 2-byte lists (those of bf16, which the interpreter cannot run), fp32 its own;
 # the tolerance covers sums taken in another order (fp32 accumulators, rounded once)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 def test_every_fallback_setting_computes_the_same(dtype, tol):
-    mods = _kernels()
-    common, compressed, scoring, selection = mods
-    size = torch.tensor([], dtype=dtype).element_size()
-    longest = max(len(compressed.launch_configs(k, h, DK, DV, size)) for k in ("fwd", "dq", "dkdv"))
-    longest = max(longest, len(scoring.launch_configs(h, DK, N_SEL, size)),
-                  *(len(selection.launch_configs(k, DK, DV)) for k in ("fwd", "dq", "dkdv")))
-    want = _run_all(*mods, 0, dtype)
+    """Each stage from each of its settings (an index past a kernel's list runs that list's last),
+    on the inputs its measured settings' upstream stages made, against its measured settings."""
+    common, compressed, scoring, selection = _kernels()
+    stages = _stages(compressed, scoring, selection, dtype)
+    want: dict = {}
+    for _, _, run in stages:
+        with common.forced_config(0):
+            want.update(run(want))
     assert (want["idx"] >= 0).any()
-    for i in range(1, longest):            # an index past a kernel's list runs that list's last
-        got = _run_all(*mods, i, dtype)
-        assert torch.equal(got["idx"], want["idx"]), f"settings {i}: another block selection"
-        for name, x in want.items():
-            if name != "idx":
-                assert torch.allclose(got[name].float(), x.float(), rtol=10 * tol, atol=tol), (
-                    f"settings {i}: {name} differs by {(got[name].float() - x.float()).abs().max():.3g}")
+    for stage, lists, run in stages:
+        for i in range(1, max(len(c) for c in lists)):
+            with common.forced_config(i):
+                got = run(want)
+            for name, x in got.items():
+                if name == "idx":
+                    assert torch.equal(x, want[name]), f"{stage} settings {i}: another block selection"
+                else:
+                    assert torch.allclose(x.float(), want[name].float(), rtol=10 * tol, atol=tol), (
+                        f"{stage} settings {i}: {name} differs by {(x.float() - want[name].float()).abs().max():.3g}")
 
 
 def test_launch_fitting_moves_past_out_of_resources_only():
