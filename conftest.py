@@ -1,70 +1,17 @@
 # Without a GPU, Triton kernels run under Triton's interpreter (nsa_validate.env.interpret decides);
 # the switch is set before any test module imports the kernels, which then register their
 # backends with nsa_core.routing.
-import fcntl
-import hashlib
-
-import pytest
-
 from nsa_validate.env import interpret
 
 interpret.set_for_this_process()
 
 import kernels  # noqa: E402,F401  (registers the Triton and FA-2 backends)
 
+# cases claimed one at a time by several processes: `--claim-from` (make test, a suite run as several)
+pytest_plugins = ["nsa_validate.suite.claim"]
+
 
 def pytest_addoption(parser):
-    parser.addoption("--claim-from", default=None, metavar="FILE",
-                     help="run the cases one at a time as claimed from FILE, a counter shared with the other "
-                          "pytest processes given it (they must collect the same cases): `make test` on a CPU "
-                          "machine runs one such process per core (tests/parallel.py)")
-
-
-def _claim(path: str) -> int:
-    """The next case's index: FILE's counter, taken and advanced under an exclusive lock."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        n = int(f.read() or 0)
-        f.seek(0)
-        f.truncate()
-        f.write(str(n + 1))
-        return n
-
-
-def _same_cases(path: str, items) -> None:
-    """Every process sharing ``path`` collected the same cases in the same order (else an index is
-    another case in each): the first records a digest of the node ids, the others compare."""
-    digest = hashlib.sha256("\n".join(it.nodeid for it in items).encode()).hexdigest()
-    with open(path + ".cases", "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        first = f.read()
-        if not first:
-            f.write(digest)
-        elif first != digest:
-            raise pytest.UsageError(f"--claim-from {path}: this process collected other cases than the first")
-
-
-def pytest_runtestloop(session):
-    """pytest's own loop (``_pytest.main.pytest_runtestloop``), over the cases claimed from --claim-from:
-    each process takes the next unclaimed case when it finishes one, so the processes end together."""
-    path = session.config.getoption("--claim-from")
-    if not path:
-        return None
-    if session.testsfailed and not session.config.option.continue_on_collection_errors:
-        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
-    if session.config.option.collectonly:
-        return True
-    items = session.items
-    _same_cases(path, items)
-    i = _claim(path)
-    while i < len(items):
-        j = _claim(path)             # the next case, claimed now: its fixtures decide what this one tears down
-        items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[j] if j < len(items) else None)
-        if session.shouldfail:
-            raise session.Failed(session.shouldfail)
-        if session.shouldstop:
-            raise session.Interrupted(session.shouldstop)
-        i = j
-    return True
+    parser.addoption("--nsa-level", default=None, choices=("quick", "standard", "full"),
+                     help="the profile level a plain `pytest suites/` runs at (default: standard; `make test` on a "
+                          "CPU machine runs the full CPU sweep)")

@@ -66,6 +66,8 @@ ShareOpt = typer.Option(None, "--share-gpu/--one-at-a-time",
                              "alone on it (default on a GPU), or one suite after another")
 SelectOpt = typer.Option(None, "-k", help="pytest expression selecting cases in every suite, e.g. 'parity and not S65536'")
 TimeoutOpt = typer.Option(None, "--timeout", min=1, help="seconds each suite may run (instead of the profile's)")
+WorkersOpt = typer.Option(None, "--workers", min=1, help="pytest processes per suite, taking its cases in turn "
+                          "(default: from the cores; 1 with --one-at-a-time on a GPU)")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
 
 
@@ -99,11 +101,11 @@ def suite_cmd(names: List[SuiteName] = typer.Argument(..., help="suite names (se
               profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
               strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
               share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
-              timeout: Optional[int] = TimeoutOpt) -> None:
+              timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt) -> None:
     """Run the named suites."""
     req = run.RunRequest(list(dict.fromkeys(n.value for n in names)), profile, level.value, out, strict,
                          allowed_skips=_allow_list(allow_skips, strict), share_gpu=share_gpu, select=select,
-                         timeout=timeout)
+                         timeout=timeout, workers=workers)
     raise typer.Exit(_run(req, json_out))
 
 
@@ -116,13 +118,14 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
                 max_regression: float = MaxRegOpt,
                 gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs"),
                 share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
-                timeout: Optional[int] = TimeoutOpt) -> None:
+                timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     req = run.RunRequest(list(SUITES), profile, level.value, out, strict, gate_env=not keep_going,
                          allowed_skips=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
-                         n_gpus=_gpu_count(gpus), share_gpu=share_gpu, select=select, timeout=timeout)
+                         n_gpus=_gpu_count(gpus), share_gpu=share_gpu, select=select, timeout=timeout,
+                         workers=workers)
     raise typer.Exit(_run(req, json_out))
 
 

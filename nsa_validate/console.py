@@ -105,6 +105,7 @@ class ConsoleListener(run.Listener):
                             console=err, transient=False, disable=not self.live)
         self.tasks: dict[str, object] = {}
         self.shown: dict[str, int] = {}
+        self.processes: dict[str, int] = {}
 
     def line(self, text: str) -> None:
         err.print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", highlight=False, markup=False)
@@ -122,17 +123,18 @@ class ConsoleListener(run.Listener):
         self.t0 = time.monotonic()
         return self.bar
 
-    def suite_started(self, name: str, where: str) -> None:
+    def suite_started(self, name: str, where: str, processes: int = 1) -> None:
         self.shown[name] = 0
+        self.processes[name] = processes
         if self.live:
             self.tasks[name] = self.bar.add_task(f"{name:9s}{where}", total=None, eta="", running="")
         else:
-            self.line(f"{name}{where}: started")
+            self.line(f"{name}{where}: started" + (f" ({processes} processes)" if processes > 1 else ""))
 
     def suite_progress(self, name, done, total, running, elapsed_s) -> None:
         if self.live:
             self.bar.update(self.tasks[name], completed=len(done), total=total, running=running or "",
-                            eta=eta(self.expected_s.get(name), elapsed_s))
+                            eta=eta(self.expected_s.get(name), elapsed_s, self.processes.get(name, 1)))
             return
         for c in done[self.shown[name]:]:
             why = f": {c.reason[:160]}" if c.status in ("fail", "error") else ""
@@ -158,10 +160,12 @@ class ConsoleListener(run.Listener):
                   f"logs/gpu*_share.jsonl)")
 
 
-def eta(expected_s: float | None, elapsed_s: float) -> str:
-    """A suite's ETA from the profile's expected duration: '~40 s left', or how far past it is."""
+def eta(expected_s: float | None, elapsed_s: float, processes: int = 1) -> str:
+    """A suite's ETA from the profile's expected duration (one process; ``processes`` share its
+    cases): '~40 s left', or how far past it is."""
     if not expected_s:
         return ""
+    expected_s = expected_s / processes
     left = expected_s - elapsed_s
     return f"~{left:.0f} s left" if left >= 0 else f"{-left:.0f} s past the profile's ~{expected_s:.0f} s"
 

@@ -22,9 +22,13 @@ SLOWEST = 10
 NO_TESTS = 5             # pytest's exit status when a process collected nothing
 
 
-def process_count() -> int:
+def gpu() -> bool:
     import torch
-    if torch.cuda.is_available():
+    return torch.cuda.is_available()
+
+
+def process_count() -> int:
+    if gpu():
         return 1
     return max(1, min(MAX_PROCESSES, len(os.sched_getaffinity(0))))
 
@@ -41,7 +45,9 @@ def slowest(junit_files: list[Path], k: int = SLOWEST) -> list[tuple[float, str]
 
 def main(args: list[str]) -> int:
     n = process_count()
-    base = [sys.executable, "-m", "pytest", "-q", *args]
+    # a CPU machine runs the suites' whole CPU sweep (`make oneshot` there runs its standard level)
+    level = [] if gpu() else ["--nsa-level=full"]
+    base = [sys.executable, "-m", "pytest", "-q", *level, *args]
     if n == 1:
         return subprocess.call([*base, f"--durations={SLOWEST}"])
     work = Path(tempfile.mkdtemp(prefix="nsa-test-"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from nsa_validate import safefs
 
@@ -18,17 +19,25 @@ class SuiteExtra:
     """Saved to ``<out_dir>/<file>`` at every change, so what a suite measured before dying is
     kept. Without an ``out_dir`` (a plain ``pytest suites/``) nothing is written."""
 
-    def __init__(self, out_dir: str, file: str = "extra.json") -> None:
+    def __init__(self, out_dir: str, file: str = "extra.json", position: Callable[[], int] = lambda: 0) -> None:
         self.dir = Path(out_dir) if out_dir else None
         self.file = file
         self.data: dict = {"tables": {}, "notes": [], "plots": []}
+        # the collection index of the case adding each row, note and plot: a suite run as several
+        # processes (each with its own file) is put back in case order by ``combined``
+        self.position = position
+
+    def _placed(self, key: str) -> None:
+        self.data.setdefault("order", {}).setdefault(key, []).append(self.position())
 
     def row(self, table: str, row: dict) -> None:
         self.data["tables"].setdefault(table, []).append(row)
+        self._placed(f"tables/{table}")
         self._save()
 
     def note(self, text: str) -> None:
         self.data["notes"].append(text)
+        self._placed("notes")
         self._save()
 
     def set(self, key: str, value) -> None:
@@ -45,6 +54,7 @@ class SuiteExtra:
         """``path``: relative to the run folder (where report.md is); ``chart``: its data as
         ``figures.chart`` makes it (``report --embed-plots`` draws it inline)."""
         self.data["plots"].append(path)
+        self._placed("plots")
         if chart is not None:
             self.data.setdefault("charts", {})[path] = chart
         self._save()
@@ -57,7 +67,9 @@ class SuiteExtra:
 
 def merged(first: dict, then: dict) -> dict:
     """``then`` after ``first``: tables, notes, plots, charts and figures joined, other keys replaced."""
-    out = {**first, **{k: v for k, v in then.items() if k not in ("tables", "notes", "plots", "charts", "summary")}}
+    out = {k: v for k, v in {**first, **{k: v for k, v in then.items()
+                                         if k not in ("tables", "notes", "plots", "charts", "summary")}}.items()
+           if k != "order"}
     out["tables"] = {**first.get("tables", {})}
     for title, rows in then.get("tables", {}).items():
         out["tables"][title] = out["tables"].get(title, []) + rows
@@ -66,4 +78,32 @@ def merged(first: dict, then: dict) -> dict:
     for key in ("charts", "summary"):
         if first.get(key) or then.get(key):
             out[key] = {**first.get(key, {}), **then.get(key, {})}
+    return out
+
+
+def combined(parts: list[dict]) -> dict:
+    """The extras a suite's processes saved (``extra.json``, ``extra.1.json``, …) as one: every
+    table, the notes and the plots in the order of the cases that added them (as one process would
+    have), figures and charts joined, other keys from the last part that has them."""
+    out: dict = {"tables": {}, "notes": [], "plots": []}
+    placed: dict[str, list] = {}
+    for d in parts:
+        order = d.get("order", {})
+        lists = {**{f"tables/{t}": rows for t, rows in d.get("tables", {}).items()},
+                 "notes": d.get("notes", []), "plots": d.get("plots", [])}
+        for key, items in lists.items():
+            pos = list(order.get(key, []))[:len(items)]
+            pos += [float("inf")] * (len(items) - len(pos))      # unplaced (an older file): last
+            placed.setdefault(key, []).extend(zip(pos, items))
+        for k, v in d.items():
+            if k in ("charts", "summary"):
+                out.setdefault(k, {}).update(v)
+            elif k not in ("tables", "notes", "plots", "order"):
+                out[k] = v
+    for key, items in placed.items():
+        items = [x for _, x in sorted(items, key=lambda pi: pi[0])]       # stable: a case's own order kept
+        if key.startswith("tables/"):
+            out["tables"][key.removeprefix("tables/")] = items
+        else:
+            out[key] = items
     return out

@@ -182,8 +182,26 @@ def render(res: dict, embed_plots: bool = False) -> str:
     if bad:
         out += ["## Failures and errors", "", md_table(bad)]
 
+    out += _time_spent(res)
     out += ["## Recommendations", ""] + [f"- {r}" for r in recommendations(res)] + [""]
     return "\n".join(out)
+
+
+def _time_spent(res: dict) -> list[str]:
+    """Where the suites' time went: wall time, processes, and the cases' seconds by phase (summed over
+    a suite's processes: with several, they can add up to more than its wall time)."""
+    workers = res["manifest"].get("workers") or {}
+    rows = [{"suite": n, "wall (s)": s["duration_s"], "processes": workers.get(n, 1),
+             **{f"{k} (s)": s["phases_s"].get(k) for k in ("compile", "oracle", "bench", "run")}}
+            for n, s in res["suites"].items() if s.get("phases_s")]
+    if not rows:
+        return []
+    m = res["manifest"].get("phases_s") or {}
+    head = (f"Environment check {m['env']} s, suites {m['suites']} s (wall). " if "env" in m and "suites" in m else "")
+    return ["## Where the time went", "",
+            head + "Per suite, its cases' seconds: compiling Triton kernels (cache hits included), the fp32 "
+            "oracle, timed benches, and the rest of each case. Beyond its cases, a suite's wall time is its "
+            "processes starting (imports, collection).", "", md_table(rows), ""]
 
 
 def _extra(suite: str, extra: dict, titled: bool, embed_plots: bool = False) -> list[str]:

@@ -45,6 +45,8 @@ class CaseRecord:
     params: dict = field(default_factory=dict)
     # the routing decisions made inside the case's captures, per path ("prefill/sel": ["triton: S=… >= …"])
     routes: dict = field(default_factory=dict)
+    # seconds of the case (setup to teardown) in each phase: compile, oracle, bench, run (``measure.phases``)
+    phases: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -78,14 +80,25 @@ class SuiteResult:
         return Counter(c.reason or self.reason or "no reason given" for c in self.cases
                        if c.status == "skip").most_common()
 
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds in each phase summed over the cases (several processes' cases add up: it can
+        exceed the suite's wall time); empty when no case recorded its phases."""
+        out: dict[str, float] = {}
+        for c in self.cases:
+            for k, v in c.phases.items():
+                out[k] = round(out.get(k, 0.0) + v, 3)
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["counts"] = self.counts
+        d["phases_s"] = self.phases
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SuiteResult":
-        d = {k: v for k, v in d.items() if k != "counts"}
+        d = {k: v for k, v in d.items() if k not in ("counts", "phases_s")}
         d["cases"] = [CaseRecord(**c) for c in d.get("cases", [])]
         return cls(**d)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -46,6 +47,7 @@ class RunRequest:
     share_gpu: bool | None = None         # None: at once on a GPU, one after another on a CPU
     select: str | None = None             # pytest -k for every suite
     timeout: int | None = None            # seconds per suite instead of the profile's
+    workers: int | None = None            # pytest processes per suite; None: from the machine's cores
 
 
 @dataclass
@@ -96,6 +98,9 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
     # on a CPU they would only compete for its cores
     share_gpu = (device == "cuda" and len(names) > 1) if req.share_gpu is None else req.share_gpu
+    workers = plan_workers(shards, prof, device, share_gpu if req.share_gpu is not None else None, req.workers)
+    if device == "cuda" and req.share_gpu is None and any(w > 1 for w in workers.values()):
+        share_gpu = True               # a suite's processes share its GPU: its timed cases take the lock
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],
                 "command": ["nsa-validate", *sys.argv[1:]], "profile": prof.name, "profile_source": prof.source,
                 "level": prof.level, "tool_version": __version__,
@@ -104,7 +109,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
                 "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if req.n_gpus > 1 else None,
-                "share_gpu": share_gpu, "select": req.select, "timeout_s": req.timeout}
+                "share_gpu": share_gpu, "workers": workers, "select": req.select, "timeout_s": req.timeout}
     if prof.device == "cuda" and device != "cuda":
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     results: dict[str, SuiteResult] = {}
@@ -120,7 +125,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
             listener.env_broken()
         elif not stop.is_set():
             with listener.suites_running():
-                threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu,
+                threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
                                       results, listener, stop)
     except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
         if isinstance(e, SuiteInterrupted):
@@ -136,6 +141,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
         listener.interrupted(list(dict.fromkeys(stop.signals)))
     # where the wall time went (after the imports): the environment check, the suites, the rest
     manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
+    shutil.rmtree(run_dir / ".compile", ignore_errors=True)     # the compile locks (compile_once)
     if share_gpu:                  # who held each GPU when: kept under logs/, and checked
         bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
         if bad:
@@ -154,7 +160,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     return Outcome(run_dir, status, res)
 
 
-def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, results, listener, stop):
+def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop):
     """Every suite, on the threads the sharing mode asks for; returns those threads."""
     def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
         for name in queue:
@@ -162,7 +168,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
                 return
             where = f" gpu{gpu_index}" if gpu_index is not None else ""
             t_suite = time.monotonic()
-            listener.suite_started(name, where)
+            listener.suite_started(name, where, workers[name])
 
             def progress(done, total, running=None):
                 listener.suite_progress(name, done, total, running, time.monotonic() - t_suite)
@@ -171,7 +177,8 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
             limit = req.timeout or (sum(prof.timeout(n) for n in shards[gpu_index or 0]) if lock else None)
             ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
                              select=req.select, timeout_s=limit, run_id=manifest["run_id"],
-                             commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index))
+                             commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index),
+                             workers=workers[name], compile_locks=str(run_dir / ".compile"))
             results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
             listener.suite_finished(name, where, results[name])
 
@@ -183,7 +190,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
         jobs = [(shards[0], None, None)]
     else:              # one thread per GPU, each running its suites one after another
         jobs = [(q, i, None) for i, q in enumerate(shards)]
-    if len(jobs) == 1:
+    if len(jobs) == 1 and not jobs[0][2]:
         work(*jobs[0])
         return []
     # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
@@ -194,9 +201,9 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, re
     t0 = time.monotonic()
     while any(th.is_alive() for th in threads):
         for lock in list(starting):
-            mine = [th for th, j in zip(threads, jobs) if j[2] == lock]
-            ended = sum(not th.is_alive() for th in mine)
-            if gpu_share.started(lock) + ended >= len(mine) or time.monotonic() - t0 > 300:
+            mine = [(th, workers[j[0][0]]) for th, j in zip(threads, jobs) if j[2] == lock]
+            ended = sum(w for th, w in mine if not th.is_alive())
+            if gpu_share.started(lock) + ended >= sum(w for _, w in mine) or time.monotonic() - t0 > 300:
                 gpu_share.release(starting.pop(lock))
         time.sleep(0.2)
     for fd in starting.values():
@@ -209,6 +216,44 @@ def _gpu_name(device: str, gpu_index: int | None) -> str | None:
         return None
     import torch
     return torch.cuda.get_device_name(gpu_index or 0)
+
+
+MAX_WORKERS = 8        # processes per suite: beyond this, a suite's longest cases bound it anyway
+
+
+def plan_workers(shards: list[list[str]], prof: profiles.Profile, device: str, share_gpu: bool | None,
+                 asked: int | None) -> dict[str, int]:
+    """Pytest processes per suite (``asked``, or from the cores). Triton compiles on the CPU, so a
+    cold GPU run is bound by its cores, not its GPU: on a GPU the cores (less one for this process)
+    are split among the suites sharing each GPU by the profile's expected time (at least one each),
+    and a suite's cases are taken in turn by its processes; their timed cases still run alone on
+    the GPU (``gpu_share``). On a CPU (suites one after another) each suite gets every core. On a GPU
+    told ``--one-at-a-time`` one process each: nothing would keep a timed case alone."""
+    names = [n for q in shards for n in q]
+    if device == "cuda" and share_gpu is False:
+        if asked and asked > 1:
+            raise UsageError(f"--workers {asked} on a GPU needs --share-gpu: its processes' timed cases take the GPU's "
+                             f"lock to run alone, which --one-at-a-time does without")
+        return {n: 1 for n in names}
+    if asked is not None:
+        return {n: asked for n in names}
+    cores = len(os.sched_getaffinity(0))
+    if device != "cuda":
+        return {n: max(1, min(MAX_WORKERS, cores)) for n in names}
+    out = {}
+    budget = max(1, (cores - 1) // len(shards))
+    for q in shards:
+        # one each, then core by core to the suite that would take longest (expected time / processes)
+        expect = {n: prof.suites.expected_s.get(n) or prof.timeout(n) for n in q}
+        w = {n: 1 for n in q}
+        for _ in range(budget - len(q)):
+            open_ = [n for n in q if w[n] < MAX_WORKERS]
+            if not open_:
+                break
+            n = max(open_, key=lambda n: expect[n] / w[n])
+            w[n] += 1
+        out.update(w)
+    return out
 
 
 def shard(names: list[str], prof: profiles.Profile, n_gpus: int) -> list[list[str]]:

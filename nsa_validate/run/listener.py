@@ -24,8 +24,9 @@ class Listener:
         """Entered while the suites run (e.g. a live display)."""
         return contextlib.nullcontext()
 
-    def suite_started(self, name: str, where: str) -> None:
-        """``where``: " gpuN" when the run spans GPUs, else ""."""
+    def suite_started(self, name: str, where: str, processes: int = 1) -> None:
+        """``where``: " gpuN" when the run spans GPUs, else ""; ``processes``: how many pytest
+        processes take the suite's cases."""
 
     def suite_progress(self, name: str, done: list[CaseRecord], total: int | None, running: str | None,
                        elapsed_s: float) -> None:

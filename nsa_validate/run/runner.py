@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,14 +20,17 @@ from nsa_validate.env import interpret
 from nsa_validate.suite.context import RunContext
 from nsa_validate.paths import REPO_ROOT
 from nsa_validate.report.schema import CaseRecord, SuiteResult, suite_status
-from nsa_validate.report.extra import SuiteExtra, merged
+from nsa_validate.report.extra import SuiteExtra, combined, merged
 from nsa_validate.config.registry import SUITES, Suite
 
 
 
 def suite_env(ctx: RunContext) -> dict:
-    """Environment of a suite process (``interpret.child_env``), and on a shard its one GPU."""
+    """Environment of a suite process (``interpret.child_env``), on a shard its one GPU, and its
+    share of the CPU's threads when the suite runs as several processes."""
     env = interpret.child_env(ctx.device)
+    if ctx.workers > 1 and "OMP_NUM_THREADS" not in os.environ:     # the suite's processes share the cores
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // ctx.workers))
     if ctx.gpu_index is not None:      # a shard of `oneshot --gpus`: this suite sees one GPU
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         env["CUDA_VISIBLE_DEVICES"] = visible[ctx.gpu_index] if visible else str(ctx.gpu_index)
@@ -64,9 +68,11 @@ def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
               on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
               should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
+    """One suite as ``ctx.workers`` pytest processes: with more than one, each takes the next case
+    from a shared counter (``suite/claim.py``) and all append to one records file; the first
+    process logs to ``logs/<suite>.log``, the k-th to ``logs/<suite>.<k>.log``."""
     ctx_path = run_dir / "suites" / f"{suite.name}.context.json"
     rec_path = run_dir / "suites" / f"{suite.name}.records.jsonl"
-    log_path = run_dir / "logs" / f"{suite.name}.log"
     ctx.out_dir = str(run_dir / "suites" / suite.name)
     ctx.parent_pid = os.getpid()
     Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
@@ -74,39 +80,51 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     cmd = [sys.executable, "-m", "pytest", str(suite.path), "-q", "-rfEs", "-p", "no:cacheprovider",
            "--rootdir", str(REPO_ROOT), "--nsa-context", str(ctx_path), "--nsa-records", str(rec_path),
            *(["-k", ctx.select] if ctx.select else [])]
+    if ctx.workers > 1:
+        cmd += ["--claim-from", str(run_dir / "suites" / f"{suite.name}.claim")]
     timeout = ctx.timeout_s or ctx.profile.timeout(suite.name)
     t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=orphans.die_with_parent())
-        problem = ""
-        interrupted = False
-        try:
-            while proc.poll() is None:
-                time.sleep(0.3)
-                total, done, running = read_records(rec_path)
-                on_progress(done, total, running)
-                if time.monotonic() - t0 > timeout:
-                    problem = f"timed out after {timeout}s"
-                    break
-                if should_stop():
-                    problem = "interrupted"
-                    break
-        except KeyboardInterrupt:      # keep the cases this suite finished; the caller re-raises
-            problem, interrupted = "interrupted", True
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    rc = proc.returncode
+    procs: list[subprocess.Popen] = []
+    problem = ""
+    interrupted = False
+    try:
+        for k in range(ctx.workers):
+            log_path = run_dir / "logs" / (f"{suite.name}.log" if not k else f"{suite.name}.{k}.log")
+            one = cmd + (["--nsa-worker", str(k)] if ctx.workers > 1 else [])
+            with open(log_path, "w") as log:
+                log.write("$ " + " ".join(one) + "\n")
+                log.flush()
+                procs.append(subprocess.Popen(one, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True, preexec_fn=orphans.die_with_parent()))
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.3)
+            total, done, running = read_records(rec_path)
+            on_progress(done, total, running)
+            if time.monotonic() - t0 > timeout:
+                problem = f"timed out after {timeout}s"
+                break
+            if should_stop():
+                problem = "interrupted"
+                break
+    except KeyboardInterrupt:      # keep the cases this suite finished; the caller re-raises
+        problem, interrupted = "interrupted", True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for f in (run_dir / "suites").glob(f"{suite.name}.claim*"):    # the processes' shared counter
+            f.unlink(missing_ok=True)
+    codes = [p.returncode for p in procs]
+    killed = next((rc for rc in codes if rc is not None and rc < 0), None)
+    odd = next((rc for rc in codes if rc not in (0, 1, 5)), None)     # pytest: 0 ok, 1 failures, 5 nothing collected
+    rc = killed if killed is not None else odd if odd is not None else max(codes, default=None)
     total, cases, _ = read_records(rec_path)
     if not problem:
-        if rc is not None and rc < 0:
-            problem = f"process killed by signal {signal.Signals(-rc).name}"
-        elif rc not in (0, 1, 5):   # pytest: 0 ok, 1 failures, 5 nothing collected
-            problem = f"pytest exited with code {rc} (collection or internal error)"
+        if killed is not None:
+            problem = f"process killed by signal {signal.Signals(-killed).name}"
+        elif odd is not None:
+            problem = f"pytest exited with code {odd} (collection or internal error)"
         elif total is None:         # its plan was never written: it ended while importing or collecting
             problem = f"the suite's process ended (exit code {rc}) before it had collected its cases: nothing ran"
         elif total == 0 and not ctx.select:
@@ -117,6 +135,11 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     if interrupted:
         raise SuiteInterrupted(result)
     return result
+
+
+# matplotlib (a summary's plots) is not thread-safe: two suites that ended together and summarised at
+# once on the runner's threads failed inside its mathtext parser (pyparsing), so one at a time
+_SUMMARISING = threading.Lock()
 
 
 def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float = 0.0,
@@ -132,17 +155,20 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
     if problem:
         cases.append(CaseRecord("suite-process", name, "error", f"{problem}; see logs/{name}.log"))
     out_dir = run_dir / "suites" / name
-    extra_path = out_dir / "extra.json"
-    try:
-        extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
-    except (OSError, ValueError):     # cut short by a process killed while writing it
-        extra = {}
+    parts = []
+    for path in sorted(out_dir.glob("extra*.json")):      # extra.json, then extra.1.json, … of its processes
+        try:
+            parts.append(json.loads(path.read_text()))
+        except (OSError, ValueError):     # cut short by a process killed while writing it
+            pass
+    extra = combined(parts) if parts else {}
     summarise = SUITES[name].summarise if name in SUITES else None
     ctx_path = run_dir / "suites" / f"{name}.context.json"
     if summarise is not None and ctx_path.exists():
         summary = SuiteExtra(str(out_dir), "summary.json")
         try:
-            summarise(cases, RunContext.load(ctx_path), summary)
+            with _SUMMARISING:
+                summarise(cases, RunContext.load(ctx_path), summary)
         except Exception as e:         # a summary that cannot be made is the suite's error, not the run's end
             cases.append(CaseRecord("summary", name, "error", f"the suite's summary failed: {type(e).__name__}: {e}"))
             problem = problem or "summary failed"

@@ -1,3 +1,4 @@
 """What a suite's own pytest process loads: the plugin that records every case (``plugin``), the
-run's typed context handed to it (``context``) and the lock that gives a timed case its GPU alone
-(``gpu_share``). Nothing here imports the run lifecycle in ``run/``."""
+run's typed context handed to it (``context``), the lock that gives a timed case its GPU alone
+(``gpu_share``), cases taken in turn by several processes (``claim``) and each Triton kernel
+compiled once per run (``compile_once``). Nothing here imports the run lifecycle in ``run/``."""

@@ -30,6 +30,8 @@ class RunContext:
     select: str | None = None         # `-k EXPR`: pytest's case selection, passed to every suite
     timeout_s: int | None = None      # `--timeout`: each suite's limit instead of the profile's
     gpu_name: str | None = None       # the GPU's name, as the run saw it (None: ask torch)
+    workers: int = 1                  # the suite's pytest processes, taking its cases in turn
+    compile_locks: str | None = None  # the run's folder of per-kernel compile locks (``compile_once``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,8 +75,8 @@ class RunContext:
         return cls(profile=profiles.from_dict(d.pop("profile")), **d)
 
 
-def default() -> RunContext:
-    prof, device = profiles.resolve()
+def default(level: str = profiles.DEFAULT_LEVEL) -> RunContext:
+    prof, device = profiles.resolve(level=level)
     return RunContext(profile=prof, device=device)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from nsa_core import routing
 from nsa_core.routing import DispatchLog
-from nsa_validate.measure import evidence, limits, tolerance
+from nsa_validate.measure import evidence, limits, phases, tolerance
 from nsa_validate.suite import context
 from nsa_validate.suite.context import RunContext
 from nsa_validate.report.extra import SuiteExtra
@@ -134,6 +134,8 @@ def pytest_addoption(parser) -> None:
     g = parser.getgroup("nsa-validate")
     g.addoption("--nsa-context", default=None, help="RunContext JSON written by nsa-validate")
     g.addoption("--nsa-records", default=None, help="append case records (JSON lines) here")
+    g.addoption("--nsa-worker", type=int, default=0,
+                help="this process's number among the suite's processes (with --claim-from): its extra file")
 
 
 def pytest_configure(config) -> None:
@@ -141,6 +143,9 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_exclusive: times the GPU, reads its counters or needs much of its "
                                        "memory: runs alone on it when suites share a GPU (nsa_validate.suite.gpu_share)")
     path = config.getoption("--nsa-context")
+    level = config.getoption("--nsa-level", default=None)
+    if level and not path:                # a plain pytest at a chosen level (the CLI's context names its own)
+        context.set_current(context.default(level))
     if path:
         ctx = RunContext.load(path)
         context.set_current(ctx)
@@ -151,6 +156,10 @@ def pytest_configure(config) -> None:
         if ctx.gpu_lock:
             from nsa_validate.suite import gpu_share
             _STARTUP.append(gpu_share.announce(ctx.gpu_lock))
+        if ctx.compile_locks:           # the run's other processes compile a kernel once for all
+            from nsa_validate.suite import compile_once
+            compile_once.install(ctx.compile_locks)
+        phases.install(ctx.device)      # where each case's time goes: compile (the wait included), oracle, bench, run
 
 
 _STARTUP: list[int] = []        # the GPU lock held shared from start-up to the first case
@@ -246,8 +255,10 @@ def ctx() -> RunContext:
 
 
 @pytest.fixture(scope="session")
-def extra(ctx) -> SuiteExtra:
-    return SuiteExtra(ctx.out_dir)
+def extra(ctx, request) -> SuiteExtra:
+    """The suite's tables and notes; one file per process of the suite, put together by the runner."""
+    k = request.config.getoption("--nsa-worker")
+    return SuiteExtra(ctx.out_dir, "extra.json" if not k else f"extra.{k}.json", position=lambda: _POSITION[0])
 
 
 @pytest.fixture
@@ -278,10 +289,14 @@ def _plain(v):
 
 
 _PARAMS: dict[str, dict] = {}
+_INDEX: dict[str, int] = {}        # a case's place in the collection, the same in each of a suite's processes
+_POSITION = [0]                    # the running case's place: where its rows go in the suite's tables
+_STARTED = [0.0]                   # when the running case started (setup included)
 
 
 def pytest_collection_finish(session) -> None:
     _PLACEHOLDERS.update(i.nodeid for i in session.items if i.get_closest_marker("nsa_placeholder"))
+    _INDEX.update((it.nodeid, k) for k, it in enumerate(session.items))
     for i in session.items:
         cs = getattr(i, "callspec", None)
         if cs is not None and i.nodeid not in _PLACEHOLDERS:
@@ -299,6 +314,9 @@ def _reason(report) -> str:
 
 def pytest_runtest_logstart(nodeid, location) -> None:
     """Say which case runs now (a terminal shows it beside the suite's bar)."""
+    _POSITION[0] = _INDEX.get(nodeid, 0)
+    phases.take()
+    _STARTED[0] = time.perf_counter()
     _emit(_CONFIG[0], {"running": nodeid.split("::")[-1].removeprefix("test_")})
 
 
@@ -323,12 +341,17 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
     if st is None:
         return
     rec = _RECORDERS.pop(nodeid, Recorder())
+    spent = phases.take()
+    if phases.installed():             # a suite run by the CLI: the rest of the case is "run"
+        spent["run"] = round(max(0.0, time.perf_counter() - _STARTED[0] - sum(spent.values())), 3)
+    else:
+        spent = {}
     name = nodeid.split("::")[-1].removeprefix("test_")
     suite = nodeid.split("::")[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
     _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
                        "params": _PARAMS.get(nodeid, {}),
                        "metrics": rec.metrics, "backends": rec.backends, "kernels": rec.kernels,
-                       "routes": rec.routes,
+                       "routes": rec.routes, "phases": spent,
                        "duration_s": round(st.get("duration", 0.0), 4), "placeholder": nodeid in _PLACEHOLDERS})
 
 

@@ -17,9 +17,18 @@ RUN_FILES = ["manifest.json", "env.json", "routing.json", "results.json", "repor
              "metrics.csv"]
 
 
+def one_process(args) -> list[str]:
+    """``args`` with ``--workers 1`` where they run suites and say nothing of it: `make test` already
+    runs a pytest process per core, so a run under test takes one process per suite unless the test
+    is about a suite's processes (``test_a_suite_run_as_several_processes…``)."""
+    args = list(args)
+    runs = bool(args) and args[0] in ("suite", "oneshot") and not {"-h", "--help"} & set(args)
+    return args + ["--workers", "1"] if runs and "--workers" not in args else args
+
+
 def cli(*args, timeout=900):
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "nsa_validate", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "nsa_validate", *one_process(args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +96,7 @@ def test_k_selects_cases_and_timeout_limits_each_suite(tmp_path):
 
 def test_runs_land_under_the_current_directory(tmp_path):
     env = dict(os.environ, NO_COLOR="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "nsa_validate", "suite", "sanity", "-k", "short_sequences and 7"],
+    r = subprocess.run([sys.executable, "-m", "nsa_validate", *one_process(["suite", "sanity", "-k", "short_sequences and 7"])],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(run_dirs(tmp_path / "artifacts")) == 1
@@ -163,8 +172,8 @@ def test_sigint_leaves_folder_marked_interrupted(tmp_path):
     # a runner started in the background by a shell without job control inherits SIGINT ignored
     # (POSIX); Ctrl-C at a terminal is what this test stands for, so the child gets the default
     # one suite after another (on a GPU they would run at once): sanity has not started when counters is stopped
-    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "counters", "sanity", "--one-at-a-time",
-                          "--out", str(tmp_path)],
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate",
+                          *one_process(["suite", "counters", "sanity", "--one-at-a-time", "--out", str(tmp_path)])],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
@@ -296,7 +305,7 @@ def test_shadowed_kernels_is_broken_env_and_oneshot_stops_with_3(tmp_path):
     (fake / "kernels").mkdir(parents=True)
     (fake / "kernels" / "__init__.py").write_text("# not this repo's kernels\n")
     env = dict(os.environ, NO_COLOR="1", PYTHONPATH=f"{fake}{os.pathsep}{REPO}")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "nsa_validate", *a], cwd=fake, env=env,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "nsa_validate", *one_process(a)], cwd=fake, env=env,
                                     capture_output=True, text=True, timeout=300)
     r = run("env", "--json")
     assert r.returncode == 3
@@ -339,8 +348,8 @@ def test_terminal_progress_shows_the_running_case_and_an_eta(tmp_path):
     p["suites"]["sanity"].update(seq_len=4000, decode_from=3990)
     prof.write_text(yaml.safe_dump(p))
     env = dict(os.environ, TTY_COMPATIBLE="1", NO_COLOR="1", COLUMNS="200")
-    r = subprocess.run([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", str(prof),
-                        "--out", str(tmp_path / "runs")], cwd=REPO, env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "nsa_validate",
+                        *one_process(["suite", "sanity", "--profile", str(prof), "--out", str(tmp_path / "runs")])], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"~5\d\d s left", r.stderr), r.stderr[-2000:]
@@ -351,3 +360,4 @@ def test_eta_text():
     from nsa_validate.console import eta as _eta
     assert _eta(None, 5.0) == "" and _eta(60, 20.4) == "~40 s left"
     assert _eta(60, 75) == "15 s past the profile's ~60 s"
+    assert _eta(60, 10, processes=2) == "~20 s left"      # two processes share the cases

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_cli import REPO, cli
+from test_cli import REPO, cli, one_process
 from test_compare import make_run
 
 from nsa_validate.run import rundir
@@ -145,8 +145,8 @@ def _signals_default() -> None:
 
 def _start(tmp_path: Path, *extra) -> subprocess.Popen:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu",
-                             "--out", str(tmp_path / "runs"), *extra], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "nsa_validate", *one_process(["suite", "sanity", "--profile", "cpu",
+                             "--out", str(tmp_path / "runs"), *extra])], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_signals_default if hasattr(signal, "SIGHUP") else None)
 
@@ -403,8 +403,8 @@ def test_out_of_range_profile_values_are_bad_input(tmp_path, path, value, field)
     node[leaf] = value
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump(data))
-    with pytest.raises(UsageError, match=re.escape(f"'{field}'")):
-        profiles.load(str(f))
+    with pytest.raises(UsageError, match=re.escape(f"'{field}'")):   # the file's own suites: the full sweep
+        profiles.load(str(f), "full")                                 # (cpu's standard level overrides some)
     if path == "suites.sanity.batch":                  # and through the CLI, as users meet it
         one_line_exit_2(cli("suite", "sanity", "--profile", str(f), "--out", str(tmp_path / "o")), field)
 
@@ -452,8 +452,8 @@ def test_bare_commands_show_help_without_an_empty_error(args):
 def test_an_ignored_sighup_stays_ignored(tmp_path):
     """Under nohup (SIGHUP ignored) a logout must not stop the run."""
     env = dict(os.environ, NO_COLOR="1")
-    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
-                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", *one_process(["suite", "sanity", "--profile", "cpu", "--out",
+                          str(tmp_path / "runs")])], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     run = _wait_for(lambda: _run_dir(tmp_path))
     p.send_signal(signal.SIGHUP)
@@ -466,8 +466,8 @@ def test_an_ignored_sighup_stays_ignored(tmp_path):
 def test_a_dead_stderr_does_not_lose_the_interrupted_run(tmp_path):
     """`nsa-validate ... 2>&1 | tee log` and Ctrl-C kills tee too: stderr is a broken pipe."""
     env = dict(os.environ, NO_COLOR="1")
-    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", "suite", "sanity", "--profile", "cpu", "--out",
-                          str(tmp_path / "runs")], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "nsa_validate", *one_process(["suite", "sanity", "--profile", "cpu", "--out",
+                          str(tmp_path / "runs")])], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          preexec_fn=_signals_default)
     run = _wait_for(lambda: _run_dir(tmp_path))
     _wait_for(lambda: len(_records(run)) >= 1)

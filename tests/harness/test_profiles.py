@@ -123,3 +123,26 @@ def test_extends_puts_the_base_underneath_and_refuses_cycles(tmp_path):
     (tmp_path / "c.yaml").write_text("name: c\nextends: nowhere\n")
     with pytest.raises(UsageError, match="names no file"):
         profiles.load(str(tmp_path / "c.yaml"))
+
+
+def _functions_with_cases(level: str) -> set[str]:
+    """The suites' test functions with a real case (not a "not-in-profile" stand-in) on the cpu profile."""
+    import subprocess
+    import sys
+
+    from nsa_validate.paths import REPO_ROOT
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "suites",
+                          f"--nsa-level={level}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    return {i.split("[")[0] for i in ids if "not-in-profile" not in i}
+
+
+def test_the_cpu_first_run_keeps_every_check_of_the_full_sweep():
+    """`make oneshot` on a CPU (level standard) runs fewer sizes than `make test` (full), never fewer
+    kinds of check: every suite function with a case in the full sweep has one at standard."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a plain pytest takes the GPU's profile here, not the cpu profile")
+    full = _functions_with_cases("full")
+    assert full and _functions_with_cases("standard") == full
