@@ -269,9 +269,11 @@ def test_graph_step_writes_the_token_and_allocates_nothing(d_k, branches, tiles)
 
 
 def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkeypatch):
-    """NSAAttention.decode routed to the kernel (profile decode_backend: triton): prefill 10 tokens,
-    decode the rest; every step's output equals oracle row t and its reads equal the formula; the
-    step's plan and workspace are made once for the cache, not per token."""
+    """NSAAttention.decode routed to the kernel (profile decode_backend: triton): prefill 50 tokens,
+    decode 20 (t = 50..69: the window full, five compressed spans completed, past t = 64 where the
+    causal blocks outnumber n); every step's output equals oracle row t and its reads equal the
+    formula; the step's plan and workspace are made once for the cache, not per token. The steps
+    before the window fills are the kernel's own tests' (``test_decode_step_matches…``)."""
     from kernels import decode
     from nsa_core.routing import RoutingPolicy
     made = []
@@ -279,13 +281,13 @@ def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkey
     monkeypatch.setattr(decode.Workspace, "__init__", lambda self, *a, **k: (made.append(1), real(self, *a, **k))[1])
     torch.manual_seed(1)
     m = NSAAttention(CFG, RoutingPolicy(decode_backend="triton")).to(DEV)
-    x = torch.randn(2, 90, CFG.d_model, device=DEV)
-    P = 10
-    cache = DecodeCache(CFG, 2, 90, device=DEV)
+    T, P = 70, 50
+    x = torch.randn(2, T, CFG.d_model, device=DEV)
+    cache = DecodeCache(CFG, 2, T, device=DEV)
     steps, idx = [], []
     with torch.no_grad(), routing.capture() as log:
         m(x[:, :P], cache=cache)
-        for t in range(P, 90):
+        for t in range(P, T):
             before = {br: log.ran("decode", br, "triton") for br in BRANCHES}
             out, info = m.decode(x[:, t:t + 1], cache)
             # every step ran each branch on the kernel (on a GPU the step that sets up the layer's CUDA graph
@@ -298,7 +300,7 @@ def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkey
             for br in BRANCHES:
                 assert (info.reads[br] == want[br]).all(), (t, br, info.reads[br].tolist(), want[br])
     assert all(log.backends("decode")[br] == ["triton"] for br in BRANCHES), log.backends("decode")
-    assert len(made) == 1, f"{len(made)} workspaces for {90 - P} steps on one cache"
+    assert len(made) == 1, f"{len(made)} workspaces for {T - P} steps on one cache"
     full_idx = torch.cat([m.select(x)[:, :P], torch.stack(idx, 1)], 1)
     ref = reference.forward(m, x, idx=full_idx)["out"][:, P:]
     r = compare(torch.cat(steps, 1), ref, None, dtype=torch.float32)
