@@ -273,8 +273,9 @@ def _copy_gbs() -> float | None:
 
 
 def _time(fn, graph):
-    return timing.bench(fn, device=DEV, graph=graph and GPU, budget_ms=300 if GPU else 200,
-                        min_reps=5 if GPU else 3, max_reps=200 if GPU else 5)
+    if not GPU:                # one call: a CPU timing is noise, and the interpreter is slow (bench.layer alike)
+        return timing.bench(fn, device=DEV, warmup=0, reps=1)
+    return timing.bench(fn, device=DEV, graph=graph, budget_ms=300, min_reps=5, max_reps=200)
 
 
 BENCH_CONTEXTS = CFG.bench_contexts if CFG.bench_contexts is not None else CFG.contexts
