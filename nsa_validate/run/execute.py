@@ -98,7 +98,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
     # on a CPU they would only compete for its cores
     share_gpu = (device == "cuda" and len(names) > 1) if req.share_gpu is None else req.share_gpu
-    workers = plan_workers(shards, prof, device, share_gpu if req.share_gpu is not None else None, req.workers)
+    workers = plan_workers(shards, prof, device, req.share_gpu, req.workers)
     if device == "cuda" and req.share_gpu is None and any(w > 1 for w in workers.values()):
         share_gpu = True               # a suite's processes share its GPU: its timed cases take the lock
     manifest = {"run_id": f"{run_dir.parent.name}/{run_dir.name}", "commit": git["commit"], "dirty": git["dirty"],

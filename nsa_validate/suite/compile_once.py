@@ -33,8 +33,10 @@ def install(lock_dir: str) -> bool:
     except ImportError:
         return False
     compile_ = getattr(tc, "compile", None)
-    if compile_ is None or getattr(compile_, "__nsa_once__", False):
-        return compile_ is not None
+    if compile_ is None:
+        return False
+    if getattr(compile_, "__nsa_once__", False):     # installed already
+        return True
     Path(lock_dir).mkdir(parents=True, exist_ok=True)
 
     @functools.wraps(compile_)
