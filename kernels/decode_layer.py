@@ -27,6 +27,8 @@ host counts: not once the step was recorded into a caller's CUDA graph, ``record
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import triton
 import triton.language as tl
@@ -271,6 +273,47 @@ def _seek_kernel(T, POS, OVER, t, B, MAX_LEN, BB: tl.constexpr):
     tl.store(OVER + i, tl.full([BB], 0, tl.int32), mask=i < 1)
 
 
+# The replay's hand-over (``LayerDecodeStep.replay``): the caller's x and a fresh output are not copied on the host's
+# side of a call; their addresses go into a ring of pinned host memory, and the graph's first launch reads x from
+# there and its last writes the results there. RING: calls the host may run ahead of the GPU before it waits for a
+# slot (the launch queue holds a few hundred replays; 64 steps ahead is already far past any loop's needs)
+RING = 64
+HAND_BLOCK = 1024             # elements per program of the two hand-over copies
+
+
+@triton.jit
+def _take_kernel(RING_PTR, SEQ, HAND, RING_N: tl.constexpr):
+    """A replay's first launch (one program of one warp: one read of host memory, ~1 µs, where every warp's
+    own read would queue behind the others'): the call's two addresses, pinned RING_PTR[seq % RING_N, :2] (x's,
+    the output's; written by the host before the replay) -> HAND [2] on the device. After it the host may write
+    the slot again."""
+    slot = tl.load(SEQ) % RING_N
+    two = tl.arange(0, 2)
+    tl.store(HAND + two, tl.load(RING_PTR + 2 * slot + two, volatile=True))
+
+
+@triton.jit
+def _copy_in_kernel(HAND, X_IN, N, BLOCK: tl.constexpr):
+    """x, at the address HAND[0] holds -> X_IN [N] (bits copied as integers)."""
+    src = tl.load(HAND).to(tl.pointer_type(X_IN.dtype.element_ty))
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X_IN + offs, tl.load(src + offs, mask=offs < N), mask=offs < N)
+
+
+@triton.jit
+def _give_kernel(BUF, HAND, SEQ, DONE, N, BLOCK: tl.constexpr):
+    """A replay's last launch: BUF [N] (out and the reads and blocks, as integers) -> the call's output at the
+    address HAND[1] holds; program 0 advances SEQ and tells the host, in pinned DONE [1], how many replays
+    have taken their slot (``_take_kernel`` ran before this launch: no program here reads SEQ or the ring)."""
+    dst = tl.load(HAND + 1).to(tl.pointer_type(BUF.dtype.element_ty))
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(BUF + offs, mask=offs < N), mask=offs < N)
+    if tl.program_id(0) == 0:
+        s = tl.load(SEQ) + 1
+        tl.store(SEQ, s)
+        tl.store(DONE, s)
+
+
 # bumped wherever a parameter or a submodule is registered, in any module (torch's global registration hooks):
 # a replay step lists its module's parameters again only then (``LayerDecodeStep._param_ptrs``)
 _REGISTRATIONS = [0]
@@ -283,6 +326,7 @@ def _registered(*_) -> None:
 torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 torch.nn.modules.module.register_module_module_registration_hook(_registered)
 _DATA_PTR = torch.Tensor.data_ptr
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _int64_info(r: StepOut, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,8 +375,10 @@ class LayerDecodeStep:
         self.next_t = torch.empty(B, dtype=torch.int32, device=dev)    # the position the next step appends at
         self.seek(cache.length)             # sets next_t, and self.length: the cache's length as this step last saw it
         self.last: StepOut | None = None
-        # (what it was captured for, CUDA graph, its input, the buffer of its results and their layout, its notes)
+        # (what it was captured for, CUDA graph, its input (read by the graph: kept alive here), the buffer of its
+        # results and their layout, its notes)
         self._graph: tuple | None = None
+        self._hand: tuple | None = None          # the replay's ring, its numpy views and the device counters
         self._params: tuple | None = None        # (``_REGISTRATIONS`` when listed, the module's parameters)
 
     @property
@@ -418,25 +464,34 @@ class LayerDecodeStep:
         return out, StepInfo.packed(lambda: info, list(self.last.reads))
 
     def replay(self, x: torch.Tensor, length: int | None = None):
-        """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only; under
-        ``torch.no_grad``, as ``decode`` calls it): one graph launch instead of a dozen kernel launches
-        from Python, and one copy of its results. Captured again where x's shape or dtype, or where a
-        parameter of the module lives (its ``data_ptr``: a parameter replaced, or moved by ``.to()``),
-        is not what it was captured for."""
-        # the host's work per token, which a decode loop that calls the layer from Python waits on: a check of
-        # the key, the input's copy, the graph's launch and one copy of its results (out and the reads and blocks
-        # share one buffer); the reads and blocks are cut out of it only when asked for (``StepInfo.packed``)
+        """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only; nothing it
+        returns has a gradient): one graph launch instead of a dozen kernel launches from Python. Captured
+        again where x's shape or dtype, or where a parameter of the module lives (its ``data_ptr``: a
+        parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        # The host's work per token, which a decode loop that calls the layer from Python waits on: a check of the
+        # key, one allocation (out and the reads and blocks share one buffer), two addresses written into pinned
+        # memory, the graph's launch. The graph itself copies x in (``_take_kernel``) and its results out
+        # (``_give_kernel``): a copy and a clone from the host cost ~27 µs a call on an H200 pod's CPU
+        # (docs/decisions.md). x and the output are used on the current stream, after this call returns, as any
+        # kernel launched here would use them; the reads and blocks are cut out only when asked for.
         held = self.check_room(length)
         key = (x.shape, x.dtype, self._param_ptrs())
         if self._graph is None or self._graph[0] != key:
             self._capture(x, key, held)
-        _, graph, x_in, buf, (out_shape, out_strides, at, info_shape, names), notes = self._graph
-        x_in.copy_(x)
+        _, graph, _, buf, (out_shape, out_strides, at, info_shape, names), notes = self._graph
+        ring, slots, done, _, _ = self._hand
+        if not x.is_contiguous():
+            x = x.contiguous()             # (freed after the call: reused only by work queued after this replay)
+        got = torch.empty_like(buf)
+        i = self._calls
+        while i - int(done[0]) >= RING:    # the GPU is RING replays behind: wait for it to take a slot
+            time.sleep(0)
+        slots[i % RING, 0], slots[i % RING, 1] = x.data_ptr(), got.data_ptr()
         graph.replay()                     # advances next_t and the cache's pos on the device
+        self._calls = i + 1
         dispatch.replay(notes)             # the kernels the capture recorded ran again
         self.cache.advanced()
         self.length = held + 1             # (no read of a device_owned cache's length: it would wait for the replay)
-        got = buf.clone()
         return (got.as_strided(out_shape, out_strides),
                 StepInfo.packed(lambda: got[at:].view(torch.int64).view(info_shape), names))
 
@@ -448,8 +503,21 @@ class LayerDecodeStep:
             self._params = (_REGISTRATIONS[0], list(self.m.parameters()))
         return tuple(map(_DATA_PTR, self._params[1]))
 
+    def _hand_over(self, device) -> tuple:
+        """The replay's ring (pinned [RING, 2] int64: x's and the output's addresses per call), the number of
+        replays that took their slot (pinned [1], written by the GPU), and on the device [3] int64: the count of
+        replays, then the current call's two addresses: made once per step, kept across captures, since replays of
+        an earlier graph may still be queued when the step is captured again."""
+        if self._hand is None:
+            ring = torch.zeros(RING, 2, dtype=torch.int64, pin_memory=True)
+            done = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._hand = (ring, ring.numpy(), done.numpy(), done, torch.zeros(3, dtype=torch.int64, device=device))
+            self._calls = 0
+        return self._hand
+
+    @torch.no_grad()
     def _capture(self, x: torch.Tensor, key: tuple, t: int) -> None:
-        x_in = x.clone()
+        x_in = x.contiguous().clone()
         self.seek(t)
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
@@ -463,12 +531,37 @@ class LayerDecodeStep:
         info_shape = (*self.last.idx.shape[:2], len(self.last.reads) + self.last.idx.shape[2])
         buf = torch.empty(at + per * info_shape[0] * info_shape[1] * info_shape[2], dtype=out.dtype, device=x.device)
         out_view = buf[:out.numel()].view(out.shape)
+        # the hand-over copies move bits: x and the buffer seen as integers of their width (the buffer's length is a
+        # multiple of 8 bytes)
+        x_bits, buf_bits = x_in.view(-1).view(_INT_OF[x_in.element_size()]), buf.view(torch.int64)
+        ring, slots, _, done, dev = self._hand_over(x.device)
+        seq, hand_at = dev[0:1], dev[1:3]
+
+        def hand(first: bool):
+            if first:
+                _take_kernel[(1,)](ring, seq, hand_at, RING_N=RING, num_warps=1)
+                _copy_in_kernel[(triton.cdiv(x_bits.numel(), HAND_BLOCK),)](hand_at, x_bits, x_bits.numel(),
+                                                                            BLOCK=HAND_BLOCK)
+            else:
+                _give_kernel[(triton.cdiv(buf_bits.numel(), HAND_BLOCK),)](buf_bits, hand_at, seq, done,
+                                                                           buf_bits.numel(), BLOCK=HAND_BLOCK)
+
+        # the two hand-over launches once outside the capture (compiled there, not while it records), as a call
+        # would: x_in onto itself, the buffer onto itself
+        slots[self._calls % RING] = (x_bits.data_ptr(), buf_bits.data_ptr())
+        with torch.cuda.stream(side):
+            hand(True)
+            hand(False)
+        side.synchronize()
+        self._calls += 1
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, capturing(graph, stream=side):
+            hand(True)
             self(x_in, t, into=out_view)
             _int64_info(self.last, out=buf[at:].view(torch.int64).view(info_shape))
+            hand(False)
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
         self._graph = (key, graph, x_in, buf, (out_view.shape, out_view.stride(), at, info_shape, list(self.last.reads)),
                        notes)

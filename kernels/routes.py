@@ -212,6 +212,9 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
 routing.register(routing.DECODE, "step", routing.TRITON, decode_step, triton_unavailable)
 
 
+_LAYER = (routing.TRITON, "layer")      # the key of a cache's layer step in ``DecodeCache.kernel_state``
+
+
 def decode_layer(m, x, cache, t: int):
     """The whole layer's decode step for x [B, 1, D], token t = cache.length (read by the caller: on a
     ``device_owned`` cache each read is a sync, and this makes none) -> (out [B, 1, D], its
@@ -222,20 +225,22 @@ def decode_layer(m, x, cache, t: int):
     own capture it is recorded into the caller's graph (``LayerDecodeStep.record``); that needs a
     call on this cache outside the capture first, which sets the step up (allocations, compiles,
     the position), as any capture needs a warm-up."""
-    key = (routing.TRITON, "layer")
-    held = cache.kernel_state.get(key)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    held = cache.kernel_state.get(_LAYER)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing:
         if held is None or held[0] is not m or held[1].length != t:
             raise ValueError("NSAAttention.decode under CUDA graph capture: call it once on this cache outside the "
                              "capture first (a warm-up step: it sets up the step's buffers, kernels and position)")
         return held[1].record(x, t)       # recorded, not run: no note
     if held is None or held[0] is not m:
         from kernels.decode_layer import LayerDecodeStep
-        held = cache.kernel_state[key] = (m, LayerDecodeStep(m, cache, held_by_cache=True))
+        held = cache.kernel_state[_LAYER] = (m, LayerDecodeStep(m, cache, held_by_cache=True))
     step = held[1]
     if step.length != t:                   # (a seek to a full cache stays on its last row; the step then refuses)
         step.seek(t)
-    out, info = step.decode(x, t)
+    # on a GPU straight to the replay (``LayerDecodeStep.decode`` would ask again whether a capture is on, ~2 µs of a
+    # decode loop's host time a token; the replay needs no ``no_grad``: nothing it makes has a gradient)
+    out, info = step.replay(x, t) if x.is_cuda else step.decode(x, t)
     routing.note(routing.DECODE, "step", routing.TRITON)
     return out, info
 

@@ -39,7 +39,8 @@ def _on_input_device(method):
     kernels on the wrong GPU. The autograd engine makes each backward's GPU current itself."""
     @functools.wraps(method)
     def run(self, x, *args, **kwargs):
-        if x.is_cuda and x.device.index != torch.cuda.current_device():
+        d = x.get_device()                 # (-1 on the CPU; an int, not a device object: a decode loop's host time)
+        if d >= 0 and d != torch.cuda.current_device():
             with torch.cuda.device(x.device):
                 return method(self, x, *args, **kwargs)
         return method(self, x, *args, **kwargs)

@@ -76,6 +76,39 @@ def test_layer_step_equals_module_decode(prefill, phi):
     assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
 
 
+def test_back_to_back_decodes_queued_past_the_ring_keep_every_output():
+    """``NSAAttention.decode`` replays hand x and a fresh output to the graph through a ring of pinned
+    addresses (``kernels.decode_layer.RING``). Calls queued behind a sleeping GPU, more than the ring
+    holds, each with a temporary x freed at once and its memory filled with NaN by later work: every
+    output kept equals the torch route's row for its token (the host waited for slots, never wrote one the
+    GPU had not taken; no x read after it was reused)."""
+    if DEV != "cuda":
+        pytest.skip("the route replays a CUDA graph only on a CUDA GPU")
+    from kernels.decode_layer import RING
+    CFG = CFGS["mlp"]
+    m, ref = _twins(CFG, 8)
+    steps = 2 * RING + 3
+    x = torch.randn(2, steps, CFG.d_model, device=DEV)
+    cache, ref_cache = (DecodeCache(CFG, 2, steps, device=DEV) for _ in range(2))
+    kept = []
+    with torch.no_grad():
+        kept.append(m.decode(x[:, 0:1].clone(), cache))       # captures the step
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)                         # ~0.1 s: the host runs far ahead
+        for t in range(1, steps):
+            kept.append(m.decode(x[:, t:t + 1].clone(), cache))   # x: a temporary, freed on return
+            torch.full((2, 1, CFG.d_model), float("nan"), device=DEV)   # likely in x's memory, queued after
+        torch.cuda.synchronize()
+        for t in range(steps):
+            want, info = ref.decode(x[:, t:t + 1], ref_cache)
+            got, got_info = kept[t]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+            assert torch.equal(got_info.idx, info.idx), f"t={t}: selected blocks differ"
+            assert all(torch.equal(got_info.reads[br], info.reads[br]) for br in info.reads), f"t={t}: reads differ"
+    step = cache.kernel_state[(routing.TRITON, "layer")][1]
+    assert step._graph is not None and step._calls == steps + 1     # (+1: the hand-over's warm-up at capture)
+
+
 def test_module_decode_captures_again_where_a_parameter_was_replaced():
     """The Triton route replays a CUDA graph that reads the module's weights where they lived at
     capture: a parameter replaced by a new tensor (not updated in place), or whose storage moved, must
