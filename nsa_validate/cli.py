@@ -27,7 +27,7 @@ from nsa_validate.env import envcheck
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from nsa_validate.report import fleet
 from nsa_validate.report.schema import write_json
-from nsa_validate.run import compare, rundir
+from nsa_validate.run import compare, fleet_scan, rundir
 from nsa_validate.run.stop import Stop
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
@@ -69,6 +69,8 @@ TimeoutOpt = typer.Option(None, "--timeout", min=1, help="seconds each suite may
 WorkersOpt = typer.Option(None, "--workers", min=1, help="pytest processes per suite, taking its cases in turn "
                           "(default: from the cores; 1 with --one-at-a-time on a GPU)")
 AllowOpt = typer.Option(None, "--allow-skips", help="YAML {suite | 'suite/case-pattern': reason}: skips --strict accepts")
+NodeOpt = typer.Option(None, "--node", help="the node's name for the manifest and the run folder, as `merge` "
+                       "reports it (default: this machine's host name; e.g. $SLURMD_NODENAME, a pod's spec.nodeName)")
 
 
 @app.command("env")
@@ -101,11 +103,12 @@ def suite_cmd(names: List[SuiteName] = typer.Argument(..., help="suite names (se
               profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, out: Optional[str] = OutOpt,
               strict: bool = StrictOpt, allow_skips: Optional[Path] = AllowOpt, json_out: bool = JsonOpt,
               share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
-              timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt) -> None:
+              timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt,
+              node: Optional[str] = NodeOpt) -> None:
     """Run the named suites."""
     req = run.RunRequest(list(dict.fromkeys(n.value for n in names)), profile, level.value, out, strict,
                          allowed_skips=_allow_list(allow_skips, strict), share_gpu=share_gpu, select=select,
-                         timeout=timeout, workers=workers)
+                         timeout=timeout, workers=workers, node=node)
     raise typer.Exit(_run(req, json_out))
 
 
@@ -118,14 +121,15 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
                 max_regression: float = MaxRegOpt,
                 gpus: Optional[str] = typer.Option(None, "--gpus", help="N or 'all': shard the suites over local GPUs"),
                 share_gpu: Optional[bool] = ShareOpt, select: Optional[str] = SelectOpt,
-                timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt) -> None:
+                timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt,
+                node: Optional[str] = NodeOpt) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
     req = run.RunRequest(list(SUITES), profile, level.value, out, strict, gate_env=not keep_going,
                          allowed_skips=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
                          n_gpus=_gpu_count(gpus), share_gpu=share_gpu, select=select, timeout=timeout,
-                         workers=workers)
+                         workers=workers, node=node)
     raise typer.Exit(_run(req, json_out))
 
 
@@ -223,14 +227,32 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
 
 
 @app.command("merge")
-def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from any machines"),
-              out: Optional[str] = OutOpt, json_out: bool = JsonOpt) -> None:
-    """One fleet report (GPU x suite verdicts and key figures) from many run folders."""
-    unique = list(dict.fromkeys(rundir.resolve(d) for d in run_dirs))      # a run named twice counts once
-    runs = [(d, run.load_run(d)) for d in unique]
-    data = fleet.summarise(runs)
+def merge_cmd(paths: List[Path] = typer.Argument(..., metavar="PATH", help="run folders, or folders holding "
+                                                 "run folders at any depth (e.g. the --out every node wrote into)"),
+              expect: Optional[List[str]] = typer.Option(None, "--expect", help="node names (comma-separated, "
+                                                         "repeatable) that should each have a run; one without "
+                                                         "is reported missing"),
+              expect_count: Optional[int] = typer.Option(None, "--expect-count", min=1, help="how many runs are "
+                                                         "expected, where the node names are not known"),
+              out: Optional[str] = typer.Option(None, "--out", help="the report goes to OUT/fleet/<UTC stamp>/ "
+                                                "(default: ./artifacts)"),
+              json_out: bool = JsonOpt) -> None:
+    """One fleet report (fleet.md, fleet.json under OUT/fleet/) from the run folders of many nodes: nodes
+    by GPU model and verdict, every node that did not pass (failed, running, half-written, missing) with
+    why, and per GPU model each key figure's median, MAD and outliers. Exit 0: every run passed
+    (or partial, as a run's own exit code counts it) and no expected node is missing; 1: a run failed,
+    is still running or half-written, or an expected node or run is missing; 2: bad usage (a PATH that
+    does not exist without --expect/--expect-count, no run folder found and none expected)."""
+    names = _expect_names(expect)
+    tolerate = bool(names) or expect_count is not None
+    root = rundir.check_out(out)                   # a bad --out is refused before hundreds of files are read
+    rows, notes = fleet_scan.scan(paths, tolerate)
+    if not rows and not tolerate:
+        raise UsageError(f"no run folder (one holding results.json or manifest.json) under "
+                         f"{', '.join(repr(str(p)) for p in paths)}")
+    data = fleet.summarise(rows, names, expect_count, notes)
     text = fleet.render(data)
-    folder = rundir.fresh_dir(rundir.check_out(out) / "fleet", rundir.utc_stamp())
+    folder = rundir.fresh_dir(root / "fleet", rundir.utc_stamp())
     try:
         write_json(folder / "fleet.json", data)
         safefs.atomic_write(folder / "fleet.md", text)
@@ -238,9 +260,26 @@ def merge_cmd(run_dirs: List[Path] = typer.Argument(..., help="run folders, from
         import shutil
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    err.print(f"fleet report of {len(runs)} runs: {folder / 'fleet.md'}")
+    for note in notes:
+        err.print(f"warning: {note}", highlight=False, markup=False, soft_wrap=True)
+    err.print(data["line"], highlight=False, markup=False, soft_wrap=True)
+    err.print(f"fleet report of {len(rows)} runs: {folder / 'fleet.md'}", highlight=False, markup=False,
+              soft_wrap=True)
     if json_out:
-        print(json.dumps({"report": str(folder / "fleet.md"), "runs": len(runs)}))
+        print(json.dumps({"report": str(folder / "fleet.md"), "json": str(folder / "fleet.json"),
+                          "verdict": data["verdict"], "line": data["line"], "runs": len(rows),
+                          "counts": data["counts"], "missing": data["expected"]["missing_nodes"]}))
+    raise typer.Exit(EXIT_OK if data["verdict"] in fleet.PASSING else EXIT_FAIL)
+
+
+def _expect_names(values: list[str] | None) -> list[str]:
+    """--expect's node names: comma-separated and/or repeated, blanks dropped, each once."""
+    if values is None:
+        return []
+    names = list(dict.fromkeys(n.strip() for v in values for n in v.split(",") if n.strip()))
+    if not names:
+        raise UsageError("--expect names no node; give node names, comma-separated or repeated")
+    return names
 
 
 profile_app = typer.Typer(no_args_is_help=True, context_settings=HELP_FLAGS, help="Profile tools.")

@@ -48,6 +48,7 @@ class RunRequest:
     select: str | None = None             # pytest -k for every suite
     timeout: int | None = None            # seconds per suite instead of the profile's
     workers: int | None = None            # pytest processes per suite; None: from the machine's cores
+    node: str | None = None               # the node's name (manifest, folder name); None: the host name
 
 
 @dataclass
@@ -82,6 +83,7 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
 
 def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     t_start = time.monotonic()
+    node = rundir.node_name(req.node)
     prof, device = profiles.resolve(req.profile, req.level)
     check_select(req.select)
     root = rundir.check_out(req.out)
@@ -92,7 +94,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     git = rundir.git_info()
     if stop.is_set():                  # before anything was written: nothing to keep
         raise KeyboardInterrupt
-    run_dir = rundir.create(root, git)
+    run_dir = rundir.create(root, git, node)
     names = req.suites
     shards = shard(names, prof, req.n_gpus)
     # on a GPU the suites run at once by default (their compiles overlap; timed cases run alone);
@@ -108,6 +110,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
                 "ended": None, "status": "running", "allowed_skips": req.allowed_skips,
                 # who runs it: a folder left "running" by a process that is gone is stale (``repair``)
                 "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
+                "node": node,         # --node (a scheduler's node name), else the host: merge groups runs by it
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if req.n_gpus > 1 else None,
                 "share_gpu": share_gpu, "workers": workers, "select": req.select, "timeout_s": req.timeout}
     if prof.device == "cuda" and device != "cuda":

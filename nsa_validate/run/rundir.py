@@ -133,10 +133,22 @@ def commit_label(git: dict) -> str:
     return git["short"] + ("-dirty" if git["dirty"] else "")
 
 
-def create(root: Path, git: dict) -> Path:
+def node_name(node: str | None) -> str:
+    """The node a run is recorded under (``--node``, else this machine's host name); UsageError when blank."""
+    if node is None:
+        return socket.gethostname()
+    if not node.strip():
+        raise UsageError("--node is empty; give the node's name (or leave --node out for the host name)")
+    return node.strip()
+
+
+def create(root: Path, git: dict, node: str | None = None) -> Path:
+    """A fresh run folder ``<root>/<commit-label>/<UTC stamp>-<node>`` (the node's name, default the
+    host's, made safe for a file name) with its ``suites/`` and ``logs/``."""
     stamp = utc_stamp()
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
-    d = fresh_dir(root / commit_label(git), f"{stamp}-{host}")
+    # a file name, not a path; cut short of the file system's 255-byte limit on a component
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", node_name(node))[:120] or "host"
+    d = fresh_dir(root / commit_label(git), f"{stamp}-{safe}")
     for sub in ("suites", "logs"):
         (d / sub).mkdir()
     return d

@@ -34,6 +34,15 @@ def one_line_exit_2(r, needle: str = "") -> None:
     assert needle in lines[0], lines[0]
 
 
+def merged_as_half_written(r, needle: str = "") -> None:
+    """``merge RUN --json`` of a run whose results.json is malformed: the run is in the fleet report as
+    half-written, saying what is wrong, and the fleet fails (exit 1), with no traceback."""
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "1 half-written of 1 runs" in r.stderr, r.stderr
+    (run,) = json.loads(Path(json.loads(r.stdout)["json"]).read_text())["runs"]
+    assert run["state"] == "half-written" and "results.json unreadable" in run["reason"] and needle in run["reason"]
+
+
 def digest(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
@@ -275,9 +284,10 @@ def test_malformed_results_are_one_line(tmp_path, kind):
     bad = _bad_results(tmp_path, kind)
     good = make_run(tmp_path, "good")
     for args in (["report", str(bad)], ["compare", str(bad), "--baseline", str(good)],
-                 ["compare", str(good), "--baseline", str(bad)], ["merge", str(bad), "--out", str(tmp_path / "m")],
+                 ["compare", str(good), "--baseline", str(bad)],
                  ["baseline", "save", str(bad), "--name", "x", "--out", str(tmp_path / "x.json")]):
         one_line_exit_2(cli(*args))
+    merged_as_half_written(cli("merge", str(bad), "--out", str(tmp_path / "m"), "--json"))
 
 
 def test_oneshot_with_a_malformed_baseline_stops_before_running(tmp_path):
@@ -512,8 +522,8 @@ def test_unknown_user_home_and_short_verdicts_are_one_line(tmp_path):
     res = json.loads((run / "results.json").read_text())
     res["verdict"] = {"status": "pass"}
     (run / "results.json").write_text(json.dumps(res))
-    for args in (["report", str(run)], ["merge", str(run), "--out", str(tmp_path / "m")]):
-        one_line_exit_2(cli(*args), "verdict.totals")
+    one_line_exit_2(cli("report", str(run)), "verdict.totals")
+    merged_as_half_written(cli("merge", str(run), "--out", str(tmp_path / "m"), "--json"), "verdict.totals")
 
 
 # -- issue 64: lost work, wrong verdicts --------------------------------------------------
@@ -710,8 +720,8 @@ def test_a_child_dies_with_its_parent(tmp_path):
 @pytest.mark.parametrize("kind", ["env", "metrics", "tables", "suggest", "median", "deep", "manifest-suites"])
 def test_malformed_nested_fields_are_one_line(tmp_path, kind):
     """Nested fields readers compute with are checked at load, in one place (``schema.check_results``):
-    report, compare, merge, baseline save and profile suggest give one line and exit 2, under --json a
-    JSON error object too."""
+    report, compare, baseline save and profile suggest give one line and exit 2, under --json a
+    JSON error object too; merge reports the run as half-written and fails the fleet."""
     run = make_run(tmp_path, "run")
     f = run / "results.json"
     res = json.loads(f.read_text())
@@ -731,12 +741,13 @@ def test_malformed_nested_fields_are_one_line(tmp_path, kind):
     f.write_text(json.dumps(res) if kind != "deep" else "[" * 100_000 + "]" * 100_000)
     good = make_run(tmp_path, "good")
     for args in (["report", str(run), "--embed-plots"], ["compare", str(run), "--baseline", str(good)],
-                 ["compare", str(good), "--baseline", str(run)], ["merge", str(run), "--out", str(tmp_path / "m")],
+                 ["compare", str(good), "--baseline", str(run)],
                  ["baseline", "save", str(run), "--name", "x", "--out", str(tmp_path / "x.json")],
                  ["profile", "suggest", str(run)]):
         r = cli(*args, "--json")
         one_line_exit_2(r)
         assert json.loads(r.stdout.strip().splitlines()[-1])["exit_code"] == 2, (args, r.stdout)
+    merged_as_half_written(cli("merge", str(run), "--out", str(tmp_path / "m"), "--json"))
 
 
 @pytest.mark.parametrize("line", [b'{"id": "a", "suite": "sanity", "status": "pass", "nope": 1}', b"[1, 2]", b"42",
@@ -774,5 +785,5 @@ def test_a_failed_write_names_the_target_and_a_failed_merge_leaves_no_folder(tmp
         safefs.atomic_write(tmp_path / "fleet.md", "x")
     assert e.value.filename == str(tmp_path / "fleet.md")
     with pytest.raises(OSError):
-        nv.merge_cmd([run], out=str(tmp_path / "m"), json_out=False)
+        nv.merge_cmd([run], expect=None, expect_count=None, out=str(tmp_path / "m"), json_out=False)
     assert not list((tmp_path / "m").glob("fleet/*"))
