@@ -379,6 +379,7 @@ class LayerDecodeStep:
         # results and their layout, its notes)
         self._graph: tuple | None = None
         self._hand: tuple | None = None          # the replay's ring, its numpy views and the device counters
+        self._calls = 0                          # replays handed a slot of the ring (the device counts them too)
         self._params: tuple | None = None        # (``_REGISTRATIONS`` when listed, the module's parameters)
 
     @property
@@ -512,7 +513,6 @@ class LayerDecodeStep:
             ring = torch.zeros(RING, 2, dtype=torch.int64, pin_memory=True)
             done = torch.zeros(1, dtype=torch.int64, pin_memory=True)
             self._hand = (ring, ring.numpy(), done.numpy(), done, torch.zeros(3, dtype=torch.int64, device=device))
-            self._calls = 0
         return self._hand
 
     @torch.no_grad()
@@ -537,31 +537,31 @@ class LayerDecodeStep:
         ring, slots, _, done, dev = self._hand_over(x.device)
         seq, hand_at = dev[0:1], dev[1:3]
 
-        def hand(first: bool):
-            if first:
-                _take_kernel[(1,)](ring, seq, hand_at, RING_N=RING, num_warps=1)
-                _copy_in_kernel[(triton.cdiv(x_bits.numel(), HAND_BLOCK),)](hand_at, x_bits, x_bits.numel(),
-                                                                            BLOCK=HAND_BLOCK)
-            else:
-                _give_kernel[(triton.cdiv(buf_bits.numel(), HAND_BLOCK),)](buf_bits, hand_at, seq, done,
-                                                                           buf_bits.numel(), BLOCK=HAND_BLOCK)
+        def take():                        # x in
+            _take_kernel[(1,)](ring, seq, hand_at, RING_N=RING, num_warps=1)
+            _copy_in_kernel[(triton.cdiv(x_bits.numel(), HAND_BLOCK),)](hand_at, x_bits, x_bits.numel(),
+                                                                        BLOCK=HAND_BLOCK)
 
-        # the two hand-over launches once outside the capture (compiled there, not while it records), as a call
+        def give():                        # the results out
+            _give_kernel[(triton.cdiv(buf_bits.numel(), HAND_BLOCK),)](buf_bits, hand_at, seq, done,
+                                                                       buf_bits.numel(), BLOCK=HAND_BLOCK)
+
+        # the hand-over launches once outside the capture (compiled there, not while it records), as a call
         # would: x_in onto itself, the buffer onto itself
         slots[self._calls % RING] = (x_bits.data_ptr(), buf_bits.data_ptr())
         with torch.cuda.stream(side):
-            hand(True)
-            hand(False)
+            take()
+            give()
         side.synchronize()
         self._calls += 1
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: no notes outside. On x's device's stream (torch's default capture stream lives on
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, capturing(graph, stream=side):
-            hand(True)
+            take()
             self(x_in, t, into=out_view)
             _int64_info(self.last, out=buf[at:].view(torch.int64).view(info_shape))
-            hand(False)
+            give()
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel
         self._graph = (key, graph, x_in, buf, (out_view.shape, out_view.stride(), at, info_shape, list(self.last.reads)),
                        notes)

@@ -226,8 +226,7 @@ def decode_layer(m, x, cache, t: int):
     call on this cache outside the capture first, which sets the step up (allocations, compiles,
     the position), as any capture needs a warm-up."""
     held = cache.kernel_state.get(_LAYER)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
         if held is None or held[0] is not m or held[1].length != t:
             raise ValueError("NSAAttention.decode under CUDA graph capture: call it once on this cache outside the "
                              "capture first (a warm-up step: it sets up the step's buffers, kernels and position)")
