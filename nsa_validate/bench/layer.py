@@ -295,15 +295,21 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
 def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,
             stages: bool = True, capture=routing.capture) -> Row:
     """Time the NSA layer and its dense counterparts on one shape (see the module docstring).
-    ``capture``: the context manager (yielding a ``routing.DispatchLog``) one untimed forward runs
-    in first, e.g. a suite's recorder that also watches the GPU's kernels; ``Row.log`` keeps it."""
+    ``capture``: the context manager (yielding a ``routing.DispatchLog``) one forward runs in first
+    (untimed on a GPU; on a CPU the timed forward), e.g. a suite's recorder that also watches the
+    GPU's kernels; ``Row.log`` keeps it."""
     m, x = build(shape, policy, device)
     dout = torch.randn_like(x)
+    on_gpu = device == "cuda"
     with torch.no_grad(), capture() as log:
-        m(x)
+        if on_gpu:
+            m(x)
+        else:               # a CPU times one call (``_time``): the logged forward is that call, not one more
+            fwd = _time(lambda: m(x), device, budget_ms)
     routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in routing.PREFILL_STAGES}
-    with torch.no_grad():
-        fwd = _time(lambda: m(x), device, budget_ms)
+    if on_gpu:
+        with torch.no_grad():
+            fwd = _time(lambda: m(x), device, budget_ms)
     fwdbwd = _time(_fwd_bwd(m, x, dout), device, budget_ms)
     dense_fwd, dense_fwdbwd = {}, {}
     dense = dense_layers(shape, device)
@@ -344,11 +350,21 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
     S = x.shape[1]
     routes = m.routes(S, x.device, x.dtype)
     one = m.one_op(routes)
+    timed = {}              # on a CPU: stages whose forward timing is the call that made their output
+
+    def output_of(stage: str, fn: Callable[[], object]):
+        """fn(), the stage's forward; on a CPU, where a timing is one call (``_time``), timed as that stage's."""
+        if device == "cuda":
+            return fn()
+        out = []
+        timed[stage] = _time(lambda: out.append(fn()), device, budget_ms)
+        return out[-1]
     with torch.no_grad():
         q, k, v = m.project(x)
         k_cmp, v_cmp = m.cmp_k(k), m.cmp_v(v)
-        o_cmp, lse = m.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp, v_cmp=v_cmp)
-        idx = m.select_from(q, k_cmp, routes, lse=lse)
+        o_cmp, lse = output_of("cmp attention", lambda: m.run_branch("cmp", routes, with_lse=True, q=q, k_cmp=k_cmp,
+                                                                     v_cmp=v_cmp))
+        idx = output_of("scoring + top-n", lambda: m.select_from(q, k_cmp, routes, lse=lse))
     fns = {"projections": (m.project, (x,)),
            "compression": (lambda k, v: (m.cmp_k(k), m.cmp_v(v)), (k, v)),
            "cmp attention": (lambda q, kc, vc: m.run_branch("cmp", routes, q=q, k_cmp=kc, v_cmp=vc), (q, k_cmp, v_cmp)),
@@ -358,20 +374,24 @@ def breakdown(m: NSAAttention, x: torch.Tensor, device: str, budget_ms: float) -
            "win attention": (lambda q, k, v: m.run_branch("win", routes, q=q, k=k, v=v), (q, k, v))}
     if one is None:
         with torch.no_grad():
-            parts = (o_cmp, fns["sel attention"][0](q, k, v), fns["win attention"][0](q, k, v))
-        fns["gate + mix"] = (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, *parts))
+            o_sel = output_of("sel attention", lambda: fns["sel attention"][0](q, k, v))
+            o_win = output_of("win attention", lambda: fns["win attention"][0](q, k, v))
+        fns["gate + mix"] = (lambda x, *o: m.mix(m.gates(x), dict(zip(BRANCHES, o)), routes), (x, o_cmp, o_sel, o_win))
     else:
         def one_fn(g, q, k, v, kc, vc):
             return one(cfg=m.cfg, g=g, q=q, k=k, v=v, k_cmp=kc, v_cmp=vc)
         with torch.no_grad():
             g = m.gates(x)
-            o = one_fn(g, q, k, v, k_cmp, v_cmp).reshape(*x.shape[:2], -1)
+            o = output_of(ONE_OP, lambda: one_fn(g, q, k, v, k_cmp, v_cmp)).reshape(*x.shape[:2], -1)
         fns["gate + out proj"] = (lambda x, o: (m.gates(x), m.o_proj(o)), (x, o))
         fns[ONE_OP] = (one_fn, (g, q, k, v, k_cmp, v_cmp))
     fwd, bwd = {}, {}
     for name, (fn, args) in fns.items():
-        with torch.no_grad():
-            fwd[name] = _time(lambda: fn(*args), device, budget_ms)
+        if name in timed:
+            fwd[name] = timed[name]
+        else:
+            with torch.no_grad():
+                fwd[name] = _time(lambda: fn(*args), device, budget_ms)
         if name == "scoring + top-n" or (one is not None and name in PARTS_OF_ONE_OP):
             continue                     # discrete (no gradient flows through it), or inside the one op
         leaves = [a.detach().requires_grad_(True) for a in args]

@@ -51,14 +51,26 @@ def sums(request, monkeypatch):
     return request.param
 
 
-def _against_oracle_row(r, q, cache, t, dtype):
+# ``tiles`` and ``sums`` paired, not crossed: they set different launches (the tiles: the window / selection
+# partials' BPT and BN; the sums: the compressed partials' SUM_RESHAPE, whose BNC does not depend on the tiles),
+# which meet only through the selected blocks, asserted equal to the oracle's either way. So each pairing runs
+# every path of both; a cross product ran each one twice on the same inputs
+TILES_AND_SUMS = pytest.mark.parametrize("tiles,sums", [("block-tiles", "sums-reshaped"),
+                                                        ("two-block-tiles", "sums-by-products")], indirect=True)
+
+
+def _against_oracle_row(r, q, cache, t, dtype, oracle=None):
     """Step result ``r`` for token t vs the oracle's row: the same blocks (the kernel selected from its own
     compressed logits), each branch within the tolerance rule, reads == formula. Returns the fp32 oracle's
-    row and the low-precision one (None in fp32)."""
-    ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
+    row and the low-precision one (None in fp32): ``oracle``, to check another step of the same cache
+    contents against them, without computing them again."""
+    if oracle is None:
+        ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
+        ref_lp = None if dtype == torch.float32 else \
+            reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
+    else:
+        ref, ref_lp = oracle
     assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
-    ref_lp = None if dtype == torch.float32 else \
-        reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG, idx=ref["idx"], dtype=dtype)
     for br in ("cmp", "sel", "win"):
         res = compare(r.out[br], ref[f"o_{br}"], None if ref_lp is None else ref_lp[f"o_{br}"], dtype=dtype)
         assert res["ok"], (br, res)
@@ -67,9 +79,17 @@ def _against_oracle_row(r, q, cache, t, dtype):
     return ref, ref_lp
 
 
+@TILES_AND_SUMS
 @pytest.mark.parametrize("t", POSITIONS)
-def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles):
-    from kernels.decode import decode_attention
+def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums):
+    """Token t's step, at every boundary position, both ways a step gets the token, against the one oracle
+    row of the same cache contents: ``decode_attention`` on a cache holding token t, with a gate (the gate
+    mix too); then ``DecodeStep`` given the new token's k/v (token t not yet in the cache, NaN there), as
+    the bench and graph-captured decoding run it: the compressed launch appends the token, the step after
+    it reads it. Each: the oracle's blocks, outputs and reads; the append: the token written. (On Hopper
+    the window programs then take token t from the new token's buffer without waiting,
+    ``kernels.decode.WIN_NOWAIT``: the GPU suite's parity cases run that path.)"""
+    from kernels.decode import DecodeStep, decode_attention
     m, x, dtype = layer
     with torch.no_grad():
         q, cache = _cache_at(m, x, t, dtype)
@@ -78,11 +98,21 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles):
         with routing.capture() as log:
             r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, gate=gate)
         assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
-        ref, ref_lp = _against_oracle_row(r, q, cache, t, dtype)
-    mixed = sum(gate[..., i:i + 1].float() * ref[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))
-    mixed_lp = None if ref_lp is None else sum(gate[..., i:i + 1] * ref_lp[f"o_{br}"]
-                                               for i, br in enumerate(("cmp", "sel", "win")))
-    assert compare(r.mixed, mixed, mixed_lp, dtype=dtype)["ok"]
+        ref, ref_lp = oracle = _against_oracle_row(r, q, cache, t, dtype)
+        mixed = sum(gate[..., i:i + 1].float() * ref[f"o_{br}"] for i, br in enumerate(("cmp", "sel", "win")))
+        mixed_lp = None if ref_lp is None else sum(gate[..., i:i + 1] * ref_lp[f"o_{br}"]
+                                                   for i, br in enumerate(("cmp", "sel", "win")))
+        assert compare(r.mixed, mixed, mixed_lp, dtype=dtype)["ok"]
+        # the same token appended by the step: the cache ends as it was, so the oracle's row is the same
+        k_t, v_t = cache.k[:, t].clone(), cache.v[:, t].clone()
+        cache.k[:, t], cache.v[:, t] = float("nan"), float("nan")
+        with routing.capture() as log:
+            step = DecodeStep(CFG, cache)
+            r = step(q, k_t, v_t, pos=pos)
+        assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
+        assert step.plan.sums_by_reshape == (sums == "sums-reshaped")
+        assert torch.equal(cache.k[:, t], k_t) and torch.equal(cache.v[:, t], v_t)
+        _against_oracle_row(r, q, cache, t, dtype, oracle)
 
 
 @pytest.mark.parametrize("d_k, d_v, cmp_tile", [(24, 8, 64), (48, 16, 32), (16, 8, 16)],
@@ -112,19 +142,20 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
-@pytest.mark.parametrize("chunk", [4, 16])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
-def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, chunk, monkeypatch):
+def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
     """A cache allocated for more tokens than it holds (as a generation loop allocates it: capacity
     t + 1 + 64, 2·(t + 1), 4·(t + 1)) gives the step of a cache of exactly t + 1 tokens: the oracle's
     blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
     the compressed launch is split by the tokens held and the scorer and top-n rank only the causal
     blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens and a top-n over chunks
-    of 4 or 16 blocks, so that the split and the chunks vary (16: some capacities rank the causal blocks
-    in a half chunk, ``_topn_kernel``'s HALF)."""
+    of 16 or 4 blocks, so that the split and the chunks vary (16: some capacities rank the causal blocks
+    in a half chunk, ``_topn_kernel``'s HALF). The chunk is the top-n launch's alone (``top_n``): the step
+    runs with chunks of 16, then its top-n again over chunks of 4 on the step's own block scores, which
+    must give the oracle's blocks too (the launches after it would then see the blocks they saw)."""
     from kernels import decode
     monkeypatch.setattr(decode, "CMP_TILE", 16)
-    monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
+    monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
     cfg = CFG
     torch.manual_seed(8)
     m = NSAAttention(cfg).to(DEV)
@@ -132,17 +163,23 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, chunk, monkeypa
     with torch.no_grad():
         q, k, v = m.project(x)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        oracle = None           # every capacity holds the same tokens: one oracle row for all
         for cap in (t + 1, t + 65, 2 * (t + 1), 4 * (t + 1)):
             cache = DecodeCache(cfg, 2, cap, device=DEV)
             cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
             step = decode.DecodeStep(cfg, cache)
             assert step.plan.nbp >= cap // cfg.block_size
-            _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32)
+            oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
+            with monkeypatch.context() as mp:
+                mp.setattr(decode, "TOPN_CHUNK", 4)
+                idx = torch.full_like(step.ws.idx, 99)
+                decode.top_n(step.ws.score, pos, idx, cfg)
+            assert torch.equal(idx.long(), oracle[0]["idx"]), (cap, idx.tolist(), oracle[0]["idx"].tolist())
 
 
-@pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
-def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, layer, tiles):
-    """branches=(b,): the same output and reads as the full step, and only b noted as run."""
+def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(layer, tiles):
+    """branches=(b,), for each branch b: the same output and reads as the full step, and only b noted as
+    run. (The full step, run once, is compared with each branch alone: each call has its own workspace.)"""
     from kernels.decode import decode_attention
     m, x, dtype = layer
     t = 80
@@ -150,11 +187,12 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(branch, l
         q, cache = _cache_at(m, x, t, dtype)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
         full = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG)
-        full_out, full_reads = full.out[branch].clone(), full.reads[branch].clone()
-        with routing.capture() as log:
-            one = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, branches=(branch,))
-    assert set(one.out) == {branch} and log.backends("decode") == {branch: ["triton"]}
-    assert torch.equal(one.out[branch], full_out) and torch.equal(one.reads[branch], full_reads)
+        for branch in BRANCHES:
+            with routing.capture() as log:
+                one = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG, branches=(branch,))
+            assert set(one.out) == {branch} and log.backends("decode") == {branch: ["triton"]}, branch
+            assert torch.equal(one.out[branch], full.out[branch]), branch
+            assert torch.equal(one.reads[branch], full.reads[branch]), branch
 
 
 def _top_n_positions(cfg, NB: int, chunk: int) -> range:
@@ -165,10 +203,15 @@ def _top_n_positions(cfg, NB: int, chunk: int) -> range:
     return range(0, NB * cfg.block_size, step)
 
 
-@pytest.mark.parametrize("nb,n_sel", [(64, 5), (128, 16), (8, 4), (4, 16), (2, 4)],
-                         ids=["64-blocks-n5", "128-blocks-n16", "8-blocks-n4", "4-blocks-n16", "2-blocks-n4"])
+# chunks of 4 only for caches of more than 4 blocks: ``top_n`` ranks at least 4 blocks a chunk, so a cache of 4
+# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions)
+TOP_N_CASES = [pytest.param(nb, n_sel, chunk, id=f"{name}-{nb}-blocks-n{n_sel}")
+               for chunk, name in ((1 << 20, "one-chunk"), (4, "chunks-of-4"))
+               for nb, n_sel in ((64, 5), (128, 16), (8, 4), (4, 16), (2, 4)) if chunk != 4 or nb > 4]
+
+
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
-@pytest.mark.parametrize("chunk", [1 << 20, 4], ids=["one-chunk", "chunks-of-4"])
+@pytest.mark.parametrize("nb,n_sel,chunk", TOP_N_CASES)
 def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypatch, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
@@ -215,29 +258,6 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
             blocks = row[:take]
             assert blocks == sorted(set(blocks)) and all(0 <= j <= cur for j in blocks), (t, row)
             assert {0, cur, max(cur - 1, 0)} <= set(blocks) and row[take:] == [-1] * (n_sel - take), (t, row)
-
-
-@pytest.mark.parametrize("t", POSITIONS)
-def test_step_appending_the_token_matches_oracle_row_and_reads_formula(t, layer, tiles, sums):
-    """DecodeStep given the new token's k/v (token t not yet in the cache, NaN there), as the bench
-    and graph-captured decoding run it: the compressed launch appends the token, the step after it
-    reads it; at every boundary position the oracle's blocks, outputs and reads, and the token
-    written. (On Hopper the window programs then take token t from the new token's buffer without
-    waiting, ``kernels.decode.WIN_NOWAIT``: the GPU suite's parity cases run that path.)"""
-    from kernels.decode import DecodeStep
-    m, x, dtype = layer
-    with torch.no_grad():
-        q, cache = _cache_at(m, x, t, dtype)
-        k_t, v_t = cache.k[:, t].clone(), cache.v[:, t].clone()
-        cache.k[:, t], cache.v[:, t] = float("nan"), float("nan")
-        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
-        with routing.capture() as log:
-            step = DecodeStep(CFG, cache)
-            r = step(q, k_t, v_t, pos=pos)
-        assert all(log.ran("decode", br, "triton") for br in ("cmp", "sel", "win"))
-        assert step.plan.sums_by_reshape == (sums == "sums-reshaped")
-        assert torch.equal(cache.k[:, t], k_t) and torch.equal(cache.v[:, t], v_t)
-        _against_oracle_row(r, q, cache, t, dtype)
 
 
 @pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],

@@ -35,6 +35,12 @@ def _twins(cfg, seed: int) -> tuple[NSAAttention, NSAAttention]:
 @pytest.mark.parametrize("phi", list(CFGS))
 @pytest.mark.parametrize("prefill", [0, 21])
 def test_layer_step_equals_module_decode(prefill, phi):
+    """Step after step, a ``LayerDecodeStep`` run eagerly and ``m.decode`` on the Triton route each give the
+    torch route's output, blocks and reads; the module's results are new tensors (held across later steps);
+    each cache ends at the torch route's length and compressed slots, none written past the spans. On a
+    CPU ``m.decode`` runs the layer step eagerly itself (``LayerDecodeStep.decode``), on the same inputs:
+    there the step is run once a token, by ``m.decode``, and every check is made on it; on a GPU
+    ``m.decode`` replays it from a CUDA graph, so the eager step runs beside it, on a cache of its own."""
     CFG = CFGS[phi]
     why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
     if why:
@@ -43,20 +49,23 @@ def test_layer_step_equals_module_decode(prefill, phi):
     m, ref = _twins(CFG, 4)
     steps = 2 * CFG.cmp_len + 3                                    # several spans complete
     x = torch.randn(2, prefill + steps, CFG.d_model, device=DEV)
-    ref_cache, cache, mod_cache = (DecodeCache(CFG, 2, prefill + steps, device=DEV) for _ in range(3))
+    eager = DEV == "cuda"                   # a LayerDecodeStep of its own beside m.decode's
+    ref_cache, mod_cache, *eager_cache = (DecodeCache(CFG, 2, prefill + steps, device=DEV)
+                                          for _ in range(3 if eager else 2))
     with torch.no_grad():
         if prefill:
-            for c in (ref_cache, cache, mod_cache):
+            for c in (ref_cache, mod_cache, *eager_cache):
                 m(x[:, :prefill], cache=c)
-        step = LayerDecodeStep(m, cache)
+        step = LayerDecodeStep(m, eager_cache[0]) if eager else None
         kept = []                           # the module's results, held across later steps
         for t in range(prefill, prefill + steps):
             with routing.capture() as log:
                 want, info = ref.decode(x[:, t:t + 1], ref_cache)
             assert log.backends("decode") == {br: ["torch"] for br in ("cmp", "sel", "win", "mix")}
-            got = step(x[:, t:t + 1])
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
-            assert torch.equal(step.last.idx.long(), info.idx), f"t={t}: selected blocks differ"
+            if eager:
+                got = step(x[:, t:t + 1])
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+                assert torch.equal(step.last.idx.long(), info.idx), f"t={t}: selected blocks differ"
             with routing.capture() as log:
                 got_m, info_m = m.decode(x[:, t:t + 1], mod_cache)
             assert log.backends("decode") == {br: ["triton"] for br in ("cmp", "sel", "win", "step")}
@@ -66,14 +75,14 @@ def test_layer_step_equals_module_decode(prefill, phi):
             kept.append(((got_m, info_m.idx, *info_m.reads.values()), (want, info.idx, *info.reads.values())))
     for i, (held, ref_held) in enumerate(kept):     # not buffers that a later step overwrote
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(held, ref_held)), f"step {i} changed"
-    assert mod_cache.length == cache.length
-    if DEV == "cuda":                       # on a GPU the module's route replayed the step from a CUDA graph
+    if eager:                               # on a GPU the module's route replayed the step from a CUDA graph
         assert mod_cache.kernel_state[(routing.TRITON, "layer")][1]._graph is not None
-    assert cache.length == ref_cache.length and int(cache.pos[0]) == prefill + steps - 1
     n = CFG.n_cmp_total(prefill + steps)
-    torch.testing.assert_close(cache.k_cmp[:, :n], ref_cache.k_cmp[:, :n], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(cache.v_cmp[:, :n], ref_cache.v_cmp[:, :n], rtol=1e-6, atol=1e-6)
-    assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
+    for cache in (mod_cache, *eager_cache):
+        assert cache.length == ref_cache.length and int(cache.pos[0]) == prefill + steps - 1
+        torch.testing.assert_close(cache.k_cmp[:, :n], ref_cache.k_cmp[:, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache.v_cmp[:, :n], ref_cache.v_cmp[:, :n], rtol=1e-6, atol=1e-6)
+        assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
 
 
 def test_back_to_back_decodes_queued_past_the_ring_keep_every_output():
