@@ -547,8 +547,11 @@ class LayerDecodeStep:
                                                                        buf_bits.numel(), BLOCK=HAND_BLOCK)
 
         # the hand-over launches once outside the capture (compiled there, not while it records), as a call
-        # would: x_in onto itself, the buffer onto itself
+        # would: x_in onto itself, the buffer onto itself. The side stream waits for the current one again: the
+        # buffer and a first call's device counters (zeroed) were made there after the wait above; a take that
+        # ran before the zeroing read a stale count, so an unwritten slot, and crashed on its address
         slots[self._calls % RING] = (x_bits.data_ptr(), buf_bits.data_ptr())
+        side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             take()
             give()

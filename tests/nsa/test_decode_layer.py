@@ -118,6 +118,47 @@ def test_back_to_back_decodes_queued_past_the_ring_keep_every_output():
     assert step._graph is not None and step._calls == steps + 1     # (+1: the hand-over's warm-up at capture)
 
 
+def test_first_capture_hands_over_after_its_counters_are_zeroed(monkeypatch):
+    """A step's first capture makes its device counters (zeroed on the current stream) and then runs the
+    hand-over launches once on its side stream. Found on an H200 (an illegal address in the counters suite,
+    3 of 5 quick runs): the side stream did not wait for the zeroing, and a take that read a stale count
+    (memory a freed step's counters had held) took an unwritten slot's address. Here the counters' memory
+    holds a stale 7 and their zeroing is queued behind ~50 ms of sleep: the first decode must still equal
+    the torch route's."""
+    if DEV != "cuda":
+        pytest.skip("the route replays a CUDA graph only on a CUDA GPU")
+    from kernels import decode_layer
+    real_hand_over, real_zeros = decode_layer.LayerDecodeStep._hand_over, torch.zeros
+
+    def stale_then_late(*shape, device=None, **kw):
+        if device is None or torch.device(device).type != "cuda":
+            return real_zeros(*shape, device=device, **kw)
+        t = torch.full(shape, 7, device=device, **kw)
+        torch.cuda.current_stream(t.device).synchronize()        # 7s, there before the side stream's take
+        torch.cuda._sleep(100_000_000)
+        return t.zero_()                                          # queued behind the sleep
+
+    def hand_over(self, device):
+        monkeypatch.setattr(torch, "zeros", stale_then_late)
+        try:
+            return real_hand_over(self, device)
+        finally:
+            monkeypatch.setattr(torch, "zeros", real_zeros)
+    CFG = CFGS["mlp"]
+    m, ref = _twins(CFG, 9)
+    x = torch.randn(2, 1, CFG.d_model, device=DEV)
+    cache, ref_cache, first = (DecodeCache(CFG, 2, 4, device=DEV) for _ in range(3))
+    with torch.no_grad():
+        # a first step compiles the kernels (on a cold cache, seconds of host time in which the sleep would end)
+        m.decode(x, first)
+        torch.cuda.synchronize()
+        monkeypatch.setattr(decode_layer.LayerDecodeStep, "_hand_over", hand_over)
+        got, _ = m.decode(x, cache)                               # another cache: a step of its own
+        want, _ = ref.decode(x, ref_cache)
+        torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_module_decode_captures_again_where_a_parameter_was_replaced():
     """The Triton route replays a CUDA graph that reads the module's weights where they lived at
     capture: a parameter replaced by a new tensor (not updated in place), or whose storage moved, must
