@@ -199,9 +199,28 @@ def _time_spent(res: dict) -> list[str]:
     m = res["manifest"].get("phases_s") or {}
     head = (f"Environment check {m['env']} s, suites {m['suites']} s (wall). " if "env" in m and "suites" in m else "")
     return ["## Where the time went", "",
-            head + "Per suite, its cases' seconds: compiling Triton kernels (cache hits included), the fp32 "
-            "oracle, timed benches, and the rest of each case. Beyond its cases, a suite's wall time is its "
-            "processes starting (imports, collection).", "", md_table(rows), ""]
+            head + _prewarm_line(res["manifest"].get("prewarm")) +
+            "Per suite, its cases' seconds: compiling Triton kernels (cache hits and waits for a kernel another "
+            "process was compiling included), the fp32 oracle, timed benches, and the rest of each case. Beyond "
+            "its cases, a suite's wall time is its processes starting (imports, collection).", "",
+            md_table(rows), ""]
+
+
+def _prewarm_line(p: dict | None) -> str:
+    """What the warming processes (``run/prewarm.py``) did, in a sentence (none: nothing to say)."""
+    if not p:
+        return ""
+    if p.get("skipped"):
+        return f"Kernels not prewarmed from {p['list']}: {p['skipped']}. "
+    line = (f"Prewarm: {p['compiled']} of {p['kernels']} launches of {p['list']} compiled (or found compiled) by "
+            f"{p['processes']} processes in {p['wall_s']} s beside the suites")
+    if p.get("failed"):
+        line += f"; {p['failed']} failed (first: {p['first_failure']})"
+    if p.get("not_reached"):
+        line += f"; {p['not_reached']} not reached before the suites ended"
+    if p.get("unlisted"):
+        line += f"; the suites compiled {p['unlisted']} launches the list lacks (the run's kernels.jsonl has them)"
+    return line + ". "
 
 
 def _extra(suite: str, extra: dict, titled: bool, embed_plots: bool = False) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from nsa_validate import __version__
 from nsa_validate.config import profiles
 from nsa_validate.env import envcheck
-from nsa_validate.run import compare, rundir
+from nsa_validate.run import compare, prewarm, rundir
 from nsa_validate.suite import gpu_share
 from nsa_validate.suite.context import RunContext
 from nsa_validate.errors import UsageError
@@ -118,6 +118,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     results: dict[str, SuiteResult] = {}
     status = "complete"
     threads: list[threading.Thread] = []
+    warming: prewarm.Prewarm | None = None
     try:
         write_json(run_dir / "manifest.json", manifest)
         listener.run_started(run_dir)
@@ -127,6 +128,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
             status = "env-broken"
             listener.env_broken()
         elif not stop.is_set():
+            warming = _prewarm(req, prof, device, run_dir, manifest)
             with listener.suites_running():
                 threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
                                       results, listener, stop)
@@ -135,6 +137,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
             results[e.result.name] = e.result
         stop.event.set()
     except OSError as e:
+        if warming is not None:
+            warming.summary()          # stops its processes
         mark_failed(run_dir, manifest, e)
         raise
     if stop.is_set():
@@ -144,6 +148,10 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
         listener.interrupted(list(dict.fromkeys(stop.signals)))
     # where the wall time went (after the imports): the environment check, the suites, the rest
     manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
+    if warming is not None:
+        manifest["prewarm"] = warming.summary()
+        manifest["prewarm"]["unlisted"] = prewarm.unlisted(warming.kernels, run_dir / "kernels.jsonl")
+        manifest["phases_s"]["prewarm"] = manifest["prewarm"]["wall_s"]
     shutil.rmtree(run_dir / ".compile", ignore_errors=True)     # the compile locks (compile_once)
     if share_gpu:                  # who held each GPU when: kept under logs/, and checked
         bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
@@ -181,7 +189,8 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
             ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
                              select=req.select, timeout_s=limit, run_id=manifest["run_id"],
                              commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index),
-                             workers=workers[name], compile_locks=str(run_dir / ".compile"))
+                             workers=workers[name], compile_locks=str(run_dir / ".compile"),
+                             launch_log=str(run_dir / "kernels.jsonl") if device == "cuda" else None)
             results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
             listener.suite_finished(name, where, results[name])
 
@@ -212,6 +221,25 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
     for fd in starting.values():
         gpu_share.release(fd)
     return threads
+
+
+def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, run_dir: Path,
+             manifest: dict) -> prewarm.Prewarm | None:
+    """On a GPU, the profile's launch list compiled on the machine's cores (less one, this process's)
+    while the suites start; not for a ``-k`` selection, which needs a few of its kernels at most, nor
+    where an earlier run compiled the list into this Triton cache (``prewarm.warm_marker``)."""
+    kernels = prewarm.list_for(prof.name, prof.level) if device == "cuda" else None
+    if kernels is None:
+        return None
+    if req.select:
+        manifest["prewarm"] = prewarm.Prewarm.skipped(kernels, "-k selects the cases: they compile what they need")
+        return None
+    if prewarm.warm_marker(kernels).exists():
+        manifest["prewarm"] = prewarm.Prewarm.skipped(kernels, "an earlier run compiled the list into this cache")
+        return None
+    from nsa_validate.env import interpret
+    return prewarm.Prewarm(kernels, run_dir, run_dir / ".compile", len(os.sched_getaffinity(0)) - 1,
+                           env=interpret.child_env(device))
 
 
 def _gpu_name(device: str, gpu_index: int | None) -> str | None:

@@ -20,7 +20,7 @@ def pytest_addoption(parser):
                           "suite processes run several such processes")
 
 
-def _claim(path: str) -> int:
+def claim(path: str) -> int:
     """The next case's index: FILE's counter, taken and advanced under an exclusive lock."""
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -58,9 +58,9 @@ def pytest_runtestloop(session):
         return True
     items = session.items
     _same_cases(path, items)
-    i = _claim(path)
+    i = claim(path)
     while i < len(items):
-        j = _claim(path)             # the next case, claimed now: its fixtures decide what this one tears down
+        j = claim(path)             # the next case, claimed now: its fixtures decide what this one tears down
         items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[j] if j < len(items) else None)
         if session.shouldfail:
             raise session.Failed(session.shouldfail)

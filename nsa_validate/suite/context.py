@@ -32,6 +32,7 @@ class RunContext:
     gpu_name: str | None = None       # the GPU's name, as the run saw it (None: ask torch)
     workers: int = 1                  # the suite's pytest processes, taking its cases in turn
     compile_locks: str | None = None  # the run's folder of per-kernel compile locks (``compile_once``)
+    launch_log: str | None = None     # the run's kernels.jsonl: the launches that compiled (``launches``)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 
 import pytest
@@ -159,6 +160,9 @@ def pytest_configure(config) -> None:
         if ctx.compile_locks:           # the run's other processes compile a kernel once for all
             from nsa_validate.suite import compile_once
             compile_once.install(ctx.compile_locks)
+        if ctx.launch_log:              # what this process compiled: a later run's prewarm list
+            from nsa_validate.suite import launches
+            launches.record(ctx.launch_log, Path(ctx.out_dir).name)
         phases.install(ctx.device)      # where each case's time goes: compile (the wait included), oracle, bench, run
 
 

@@ -1,0 +1,158 @@
+"""Compile a run's Triton kernels on all the machine's cores while its suites start.
+
+A cold GPU run is bound by Triton's compiler, which is CPU work: each suite process compiles the
+kernels its cases meet one after another, and one case may meet a dozen. A list of the launches a
+run of the same profile and level compiled (``profiles/kernels/<profile>-<level>.jsonl``, a run's
+``kernels.jsonl`` copied there; ``nsa_validate.suite.launches``) lets processes of their own
+compile them all, in the order the suites first needed them, side by side with the suites. They
+take the run's compile locks (``compile_once``) as the suites do, so no kernel is compiled twice:
+a suite that needs a kernel a warming process is compiling waits for it, then finds it in the
+cache; one the list lacks, the suite compiles itself. Nothing a case checks depends on the list.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nsa_validate import orphans
+from nsa_validate.paths import PROFILE_DIR, REPO_ROOT
+
+LIST_DIR = PROFILE_DIR / "kernels"
+
+
+def list_for(profile: str, level: str) -> Path | None:
+    """The launch list shipped for this profile and level, if there is one."""
+    path = LIST_DIR / f"{profile}-{level}.jsonl"
+    return path if path.is_file() else None
+
+
+def _triton_cache() -> Path:
+    """Triton's kernel cache folder (``TRITON_CACHE_DIR``, else its default), as this Triton names it."""
+    try:
+        from triton import knobs
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from triton.runtime.cache import default_cache_dir
+        return Path(default_cache_dir())
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def warm_marker(kernels: Path) -> Path:
+    """A file in Triton's cache saying that this list was compiled into it, for these kernel sources,
+    this Triton and this GPU: a run that finds it skips the warming (each of its processes would only
+    load the list's kernels again, ~0.9 s a launch on an H200 pod: CPU the suites need). Gone with the
+    cache, or once a kernel's source changes."""
+    import hashlib
+    import torch
+    import triton
+    h = hashlib.sha256(kernels.read_bytes())
+    for src in sorted((REPO_ROOT / "kernels").glob("*.py")):
+        h.update(src.read_bytes())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    h.update(f"{triton.__version__}|{torch.__version__}|{gpu}".encode())
+    return _triton_cache() / "nsa-validate" / f"prewarmed-{h.hexdigest()[:24]}"
+
+
+class Prewarm:
+    """``processes`` warming processes over ``kernels`` (a launch list); ``summary()`` when the
+    suites are done (it stops what is still running: the suites compiled the rest themselves)."""
+
+    def __init__(self, kernels: Path, run_dir: Path, locks: Path, processes: int, env: dict | None = None):
+        from nsa_validate.suite import launches
+        self.kernels, self.n = kernels, len(launches.read(kernels))
+        self.work = run_dir / "prewarm"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.ended: float | None = None
+        self.procs = []
+        for i in range(max(1, min(processes, self.n))):
+            cmd = [sys.executable, "-c", _WORKER, str(kernels), str(self.work / "counter"), str(locks),
+                   str(self.work / f"done.{i}.jsonl")]
+            with open(run_dir / "logs" / f"prewarm.{i}.log", "w") as log:
+                self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True, preexec_fn=orphans.die_with_parent()))
+
+    def poll(self) -> bool:
+        """True once every warming process has ended."""
+        if self.ended is None and all(p.poll() is not None for p in self.procs):
+            self.ended = time.monotonic()
+        return self.ended is not None
+
+    @staticmethod
+    def skipped(kernels: Path, why: str) -> dict:
+        return {"list": _shown(kernels), "skipped": why}
+
+    def summary(self) -> dict:
+        """What was compiled: the list, its kernels, how many compiled (or were found compiled),
+        failed (the first failure's message) or were not reached, and the processes' wall and summed
+        seconds. Stops the processes still running."""
+        if not self.poll():
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            self.ended = time.monotonic()
+        done = []
+        for f in sorted(self.work.glob("done.*.jsonl")):
+            for line in f.read_text(errors="replace").splitlines():
+                try:
+                    done.append(json.loads(line))
+                except ValueError:
+                    pass                       # a line cut short by a stopped process
+        failed = [d for d in done if not d.get("ok")]
+        if len(done) == self.n:            # all of it in the cache now: later runs skip the warming
+            marker = warm_marker(self.kernels)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(self.procs),
+                "compiled": len(done) - len(failed), "failed": len(failed),
+                "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
+                "not_reached": self.n - len(done),
+                "wall_s": round(self.ended - self.t0, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2)}
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def unlisted(kernels: Path, compiled: Path) -> int:
+    """Launches the run's suites compiled (its ``kernels.jsonl``) that the list lacks: what a
+    stale list costs, the list's owner's cue to copy the run's file over it."""
+    from nsa_validate.suite import launches
+    listed = {launches.key(e) for e in launches.read(kernels)}
+    return sum(launches.key(e) not in listed for e in launches.read(compiled))
+
+
+def _warm_all(kernels: str, counter: str, locks: str, results: str) -> None:
+    """One warming process: claim the list's next launch, compile it, write a line; until none is left."""
+    from nsa_validate.suite import compile_once, launches
+    from nsa_validate.suite.claim import claim
+    compile_once.install(locks)
+    entries = launches.read(kernels)
+    with open(results, "a", buffering=1) as out:
+        while (i := claim(counter)) < len(entries):
+            e, t = entries[i], time.perf_counter()
+            try:
+                launches.warm(e)
+                ok, error = True, None
+            except Exception as ex:        # noqa: BLE001  a line the code has outgrown: the suite compiles it
+                ok, error = False, f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}"
+            out.write(json.dumps({"fn": e["fn"], "ok": ok, "s": round(time.perf_counter() - t, 3),
+                                  "error": error}) + "\n")
+
+
+# one warming process (``python -c``: ``-m`` would import this module twice, through its package first). A
+# Ctrl-C is the run's to handle: it stops these processes itself (``summary``)
+_WORKER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+           "from nsa_validate.run.prewarm import _warm_all; _warm_all(*sys.argv[1:5])")

@@ -1,0 +1,188 @@
+"""The Triton kernels a suite process compiled, written down so that another process can compile
+them again before they are needed (``nsa_validate.run.prewarm``).
+
+A JIT function compiles at the first launch of each specialization it meets (the argument dtypes,
+the 16-byte alignment of pointers, the integers' divisibility, the constexprs and launch options).
+``record`` wraps ``JITFunction.run``: a launch during which ``triton.compiler.compile`` was called
+appends one JSON line to the run's ``kernels.jsonl`` — the function (``module:qualname``), its
+positional and keyword arguments with every tensor replaced by its dtype and alignment, every
+tensor descriptor by its dtype, shape, strides and block, and every scalar kept as it was (its
+value is what Triton specialises on). ``warm`` replays one line through ``JITFunction.warmup``,
+Triton's public compile-without-launch: the same specialization, so the same cache entry; then it
+builds the kernel's launcher, which a first launch would build next.
+A line this code cannot replay any more (a kernel renamed, its arguments changed) fails there,
+alone: the suites then compile that kernel themselves, as they would without the list.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import threading
+import time
+
+_state = threading.local()
+
+
+class _Unrecordable(Exception):
+    pass
+
+
+def _encode(x):
+    import torch
+    if isinstance(x, torch.Tensor):
+        return {"tensor": str(x.dtype).removeprefix("torch."), "aligned": x.data_ptr() % 16 == 0}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.dtype):
+        return {"torch_dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, tuple):
+        return {"tuple": [_encode(v) for v in x]}
+    import dataclasses
+    if type(x).__name__ == "TensorDescriptor" and dataclasses.is_dataclass(x):
+        fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.name != "base"}
+        fields = {k: list(v) if isinstance(v, (list, tuple, torch.Size)) else v for k, v in fields.items()}
+        return {"descriptor": str(x.base.dtype).removeprefix("torch."), **fields}
+    import triton.language as tl
+    if isinstance(x, tl.dtype):
+        return {"tl_dtype": str(x)}
+    if isinstance(x, tl.constexpr):
+        return _encode(x.value)
+    raise _Unrecordable(type(x).__name__)
+
+
+class _Pointer:
+    """A tensor as Triton's specialization sees it: a dtype and an address (0: 16-byte aligned)."""
+
+    def __init__(self, dtype, aligned: bool):
+        self.dtype, self._ptr = dtype, 0 if aligned else 8
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def _decode(x):
+    import torch
+    if not isinstance(x, dict):
+        return x
+    if "tensor" in x:
+        return _Pointer(getattr(torch, x["tensor"]), x["aligned"])
+    if "torch_dtype" in x:
+        return getattr(torch, x["torch_dtype"])
+    if "tuple" in x:
+        return tuple(_decode(v) for v in x["tuple"])
+    if "descriptor" in x:
+        import dataclasses
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        known = {f.name for f in dataclasses.fields(TensorDescriptor)}
+        fields = {k: v for k, v in x.items() if k != "descriptor" and k in known}
+        return TensorDescriptor(_Pointer(getattr(torch, x["descriptor"]), True), **fields)
+    if "tl_dtype" in x:
+        import triton.language as tl
+        return tl.dtype(x["tl_dtype"])
+    raise ValueError(f"unknown argument encoding {x!r}")
+
+
+def record(path: str, suite: str) -> bool:
+    """Append every launch of this process that compiled to ``path`` (JSON lines, each written in
+    one ``write`` so the run's processes can share the file). Call it before the first launch.
+    False when this Triton has no ``JITFunction.run`` or ``triton.compiler.compile`` to wrap."""
+    try:
+        import triton.compiler as tc
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    if not hasattr(tc, "compile") or not hasattr(JITFunction, "run"):
+        return False
+    if getattr(JITFunction.run, "__nsa_launches__", False):
+        return True
+    compile_, run = tc.compile, JITFunction.run
+    seen: set[str] = set()
+    t0 = time.monotonic()
+
+    @functools.wraps(compile_)
+    def compile_noted(*args, **kwargs):
+        stack = getattr(_state, "stack", None)
+        t = time.perf_counter()
+        try:
+            return compile_(*args, **kwargs)
+        finally:
+            if stack:
+                stack[-1] += time.perf_counter() - t
+
+    @functools.wraps(run)
+    def run_noted(self, *args, **kwargs):
+        stack = _state.__dict__.setdefault("stack", [])
+        stack.append(0.0)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            took = stack.pop()
+            if took and not kwargs.get("warmup"):
+                _note(path, seen, suite, self, args, kwargs, round(time.monotonic() - t0, 2), took)
+    compile_noted.__wrapped_by_launches__ = True
+    run_noted.__nsa_launches__ = True
+    tc.compile = compile_noted
+    JITFunction.run = run_noted
+    return True
+
+
+def _note(path: str, seen: set[str], suite: str, fn, args, kwargs, at: float, took: float) -> None:
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    try:
+        entry = {"fn": f"{fn.fn.__module__}:{fn.fn.__qualname__}", "args": [_encode(a) for a in args],
+                 "kwargs": {k: _encode(v) for k, v in kwargs.items()}}
+    except _Unrecordable:
+        return
+    key = json.dumps(entry, sort_keys=True)
+    if key in seen:
+        return
+    seen.add(key)
+    line = json.dumps({**entry, "suite": suite, "at_s": at, "compile_s": round(took, 3)}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def key(entry: dict) -> str:
+    """What identifies a launch's specialization in a line (not who recorded it, or when)."""
+    return json.dumps({k: entry[k] for k in ("fn", "args", "kwargs")}, sort_keys=True)
+
+
+def read(path) -> list[dict]:
+    """The distinct launches of a ``kernels.jsonl``, earliest first (a line cut short by a killed
+    writer is skipped)."""
+    out: dict[str, dict] = {}
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        try:
+            e = json.loads(line)
+            k = key(e)
+        except (ValueError, KeyError, TypeError):
+            continue
+        if k not in out or e.get("at_s", 0) < out[k].get("at_s", 0):
+            out[k] = e
+    return sorted(out.values(), key=lambda e: e.get("at_s", 0))
+
+
+def warm(entry: dict) -> None:
+    """Compile ``entry``'s launch (into Triton's cache) without running it; raises what Triton or
+    the import raises when the line no longer fits the code."""
+    module, _, name = entry["fn"].partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    args = [_decode(a) for a in entry["args"]]
+    kwargs = {k: _decode(v) for k, v in entry["kwargs"].items()}
+    kernel = fn.warmup(*args, grid=(1,), **kwargs)
+    # the launcher (a C stub Triton builds per signature, gcc's seconds) and the module's load: what the
+    # first real launch would do next; a Triton without them built them already or does not need to
+    init = getattr(kernel, "_init_handles", None)
+    if callable(init):
+        init()

@@ -1,0 +1,120 @@
+"""The launch list a run records (nsa_validate.suite.launches) and the warming processes that compile it
+before the suites need it (nsa_validate.run.prewarm)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nsa_validate.paths import REPO_ROOT
+from nsa_validate.run import prewarm
+from nsa_validate.suite import launches
+
+GPU = torch.cuda.is_available()
+
+
+def test_arguments_round_trip_as_triton_specialises_them():
+    """A tensor becomes its dtype and 16-byte alignment (what Triton specialises a pointer on), a
+    scalar stays itself (its value decides an integer's specialisation), dtypes and tuples keep their
+    kind; what comes back has the dtype and an address of the same alignment."""
+    base = torch.zeros(64, dtype=torch.float16)
+    odd = base[1:]                                       # 2 bytes past an aligned address
+    for t, aligned in ((base, True), (odd, False)):
+        enc = launches._encode(t)
+        assert enc == {"tensor": "float16", "aligned": aligned}
+        back = launches._decode(json.loads(json.dumps(enc)))
+        assert back.dtype == torch.float16 and (back.data_ptr() % 16 == 0) == aligned
+    for v in (None, True, 7, 16, 1, 0.5, "x"):
+        assert launches._decode(json.loads(json.dumps(launches._encode(v)))) == v
+    assert launches._decode(launches._encode(torch.bfloat16)) is torch.bfloat16
+    assert launches._decode(json.loads(json.dumps(launches._encode((3, None))))) == (3, None)
+    with pytest.raises(launches._Unrecordable):
+        launches._encode(object())
+
+
+def test_a_tensor_descriptor_keeps_its_shape_strides_and_block():
+    desc_mod = pytest.importorskip("triton.tools.tensor_descriptor")
+    x = torch.zeros(8, 2, 32, dtype=torch.bfloat16)
+    enc = json.loads(json.dumps(launches._encode(desc_mod.TensorDescriptor(x, [8, 2, 32], [64, 32, 1], [4, 1, 32]))))
+    assert enc["descriptor"] == "bfloat16" and enc["shape"] == [8, 2, 32] and enc["block_shape"] == [4, 1, 32]
+    back = launches._decode(enc)
+    assert back.base.dtype == torch.bfloat16 and list(back.strides) == [64, 32, 1]
+
+
+def test_read_keeps_each_launch_once_earliest_first_and_skips_a_cut_line(tmp_path):
+    path = tmp_path / "kernels.jsonl"
+    a = {"fn": "m:a", "args": [1], "kwargs": {}}
+    b = {"fn": "m:b", "args": [{"tensor": "float32", "aligned": True}], "kwargs": {"BLOCK": 64}}
+    lines = [{**a, "suite": "decode", "at_s": 9.0}, {**b, "suite": "layer", "at_s": 5.0},
+             {**a, "suite": "counters", "at_s": 2.0}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"fn": "m:c", "ar')
+    got = launches.read(path)
+    assert [(e["fn"], e["at_s"]) for e in got] == [("m:a", 2.0), ("m:b", 5.0)]
+    assert launches.read(tmp_path / "missing.jsonl") == []
+    other = tmp_path / "run.jsonl"
+    other.write_text(json.dumps({**b, "at_s": 1}) + "\n" + json.dumps({"fn": "m:d", "args": [], "kwargs": {}}) + "\n")
+    assert prewarm.unlisted(path, other) == 1           # m:d: compiled by the suites, not in the list
+
+
+def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_path, monkeypatch):
+    """Lines that name no importable kernel fail alone, each reported (the suites compile what they
+    need); every line done, the Triton cache gets the marker that lets a later run skip the warming."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("".join(json.dumps({"fn": fn, "args": [], "kwargs": {}, "at_s": i}) + "\n"
+                              for i, fn in enumerate(["no_such_module:k", "nsa_validate.paths:REPO_ROOT",
+                                                      "kernels.no_such_kernel:k"])))
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    assert not prewarm.warm_marker(listed).exists()
+    w = prewarm.Prewarm(listed, run, run / ".compile", processes=2, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    for p in w.procs:
+        p.wait(timeout=120)
+    s = w.summary()
+    assert (s["kernels"], s["processes"], s["compiled"], s["failed"], s["not_reached"]) == (3, 2, 0, 3, 0), s
+    assert s["first_failure"].startswith(("no_such_module:k", "nsa_validate.paths:REPO_ROOT",
+                                          "kernels.no_such_kernel:k")), s
+    assert prewarm.warm_marker(listed).exists()
+    listed.write_text(listed.read_text() + json.dumps({"fn": "m:e", "args": [], "kwargs": {}}) + "\n")
+    assert not prewarm.warm_marker(listed).exists()       # another list: warmed again
+
+
+@pytest.mark.skipif(not GPU, reason="Triton compiles for a GPU only (the interpreter compiles nothing)")
+def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
+    """A process records a real kernel launch; another, on a fresh Triton cache, compiles the line
+    without launching; a third launches the kernel for real on that cache and compiles nothing."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    listed = tmp_path / "kernels.jsonl"
+    launch = ("import torch, triton\n"
+              "from kernels.decode_layer import _copy_in_kernel\n"
+              "hand = torch.zeros(2, dtype=torch.int64, device='cuda')\n"
+              "x = torch.arange(5000, dtype=torch.int16, device='cuda'); out = torch.empty_like(x)\n"
+              "hand[0] = x.data_ptr()\n"
+              "_copy_in_kernel[(triton.cdiv(5000, 1024),)](hand, out, 5000, BLOCK=1024)\n"
+              "assert torch.equal(out, x)\n")
+    record = f"from nsa_validate.suite import launches\nlaunches.record({str(listed)!r}, 't')\n"
+    subprocess.run([sys.executable, "-c", record + launch], env=dict(env, TRITON_CACHE_DIR=str(tmp_path / "c0")),
+                   check=True, cwd=REPO_ROOT)
+    (entry,) = launches.read(listed)
+    assert entry["fn"] == "kernels.decode_layer:_copy_in_kernel" and entry["kwargs"] == {"BLOCK": 1024}
+    warm = f"import json\nfrom nsa_validate.suite import launches\nlaunches.warm(json.loads({json.dumps(entry)!r}))\n"
+    subprocess.run([sys.executable, "-c", warm], env=env, check=True, cwd=REPO_ROOT)
+    files = sorted(p for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    assert any(p.suffix == ".cubin" for p in files), files
+    subprocess.run([sys.executable, "-c", launch], env=env, check=True, cwd=REPO_ROOT)
+    assert sorted(p for p in (tmp_path / "cache").rglob("*") if p.is_file()) == files, (
+        "the launch compiled again (kernel or launcher)")
+
+
+def test_the_report_says_what_the_warming_did():
+    from nsa_validate.report.markdown import _prewarm_line
+    ran = {"list": "profiles/kernels/sm90-quick.jsonl", "kernels": 235, "processes": 15, "compiled": 233,
+           "failed": 2, "first_failure": "kernels.x:k: ImportError", "not_reached": 0, "wall_s": 73.2,
+           "cpu_s": 566.8, "unlisted": 4}
+    line = _prewarm_line(ran)
+    assert "233 of 235 launches" in line and "15 processes in 73.2 s" in line
+    assert "2 failed (first: kernels.x:k: ImportError)" in line and "compiled 4 launches the list lacks" in line
+    assert "an earlier run" in _prewarm_line({"list": "l", "skipped": "an earlier run compiled the list into this cache"})
+    assert _prewarm_line(None) == ""
