@@ -203,6 +203,20 @@ def _top_n_positions(cfg, NB: int, chunk: int) -> range:
     return range(0, NB * cfg.block_size, step)
 
 
+def _top_n_at(s, positions, cfg):
+    """The step's top-n (``decode.top_n``) at every position in one launch: the positions along the
+    kernel's batch dimension (row b at positions[b], its program reading its own position), each row
+    the same block scores. s [G, NB] fp32 -> idx [len(positions), G, n] int64 on the CPU. One launch,
+    not one a position: the interpreter runs a launch's programs one after the other, so this is the
+    same programs, without a launch's own work (the arguments copied to the host and back) per position."""
+    from kernels import decode
+    G, NB = s.shape
+    pos = torch.tensor(list(positions), dtype=torch.int32, device=DEV)
+    idx = torch.full((len(pos), G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
+    decode.top_n(s.to(DEV).expand(len(pos), G, NB).reshape(-1, NB).contiguous(), pos, idx, cfg)
+    return idx.cpu().long()
+
+
 # chunks of 4 only for caches of more than 4 blocks: ``top_n`` ranks at least 4 blocks a chunk, so a cache of 4
 # blocks or fewer is one chunk of 4 either way (the same launch, at the same positions)
 TOP_N_CASES = [pytest.param(nb, n_sel, chunk, id=f"{name}-{nb}-blocks-n{n_sel}")
@@ -215,32 +229,33 @@ TOP_N_CASES = [pytest.param(nb, n_sel, chunk, id=f"{name}-{nb}-blocks-n{n_sel}")
 def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypatch, nb, n_sel):
     """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
-    oracle's ``select_blocks`` on the same scores, at positions all through the cache, caches of fewer
-    blocks than n included (4 blocks with n = 16, 2 with n = 4: every slot past the chosen −1). (The
-    interpreter's argmax always breaks ties to the lower index; on a GPU the kernel's own rule is
-    what this checks.)"""
+    oracle's ``select_blocks`` on the same scores, at positions all through the cache (one launch,
+    ``_top_n_at``), caches of fewer blocks than n included (4 blocks with n = 16, 2 with n = 4: every
+    slot past the chosen −1). Scores [G, NB]: two KV heads of different random scores (distinct,
+    quarter-steps); one head where the pattern has one row (all-equal, falling: a second head would be
+    the same program on the same inputs). (The interpreter's argmax always breaks ties to the lower
+    index; on a GPU the kernel's own rule is what this checks.)"""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = tiny(block_size=16, n_selected=n_sel)
-    NB, G = nb, 2
+    NB = nb
     torch.manual_seed(5)
-    s = {"distinct": torch.rand(1, G, NB), "quarter-steps": torch.randint(0, 4, (1, G, NB)) / 4,
-         "all-equal": torch.ones(1, G, NB), "falling": -torch.arange(NB).float().expand(1, G, NB)}[scores]
-    for t in _top_n_positions(cfg, NB, chunk):
-        pos = torch.tensor([t], dtype=torch.int32, device=DEV)
-        idx = torch.full((1, G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
-        decode.top_n(s.to(DEV).reshape(G, NB), pos, idx, cfg)
-        ref = reference.select_blocks(s[:, None], torch.tensor([t]), cfg)[:, 0]
-        assert torch.equal(idx.cpu().long(), ref), (t, idx.tolist(), ref.tolist())
+    s = {"distinct": torch.rand(2, NB), "quarter-steps": torch.randint(0, 4, (2, NB)) / 4,
+         "all-equal": torch.ones(1, NB), "falling": -torch.arange(NB).float()[None]}[scores]
+    positions = _top_n_positions(cfg, NB, chunk)
+    got = _top_n_at(s, positions, cfg)
+    ref = reference.select_blocks(s.expand(1, len(positions), *s.shape), torch.tensor(list(positions)), cfg)[0]
+    for t, g, r in zip(positions, got, ref):
+        assert torch.equal(g, r), (t, g.tolist(), r.tolist())
 
 
 @pytest.mark.parametrize("nb,n_sel", [(64, 16), (8, 4)], ids=["64-blocks-n16", "8-blocks-n4"])
 @pytest.mark.parametrize("chunk", [1 << 20, 4], ids=["one-chunk", "chunks-of-4"])
 def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_sel):
-    """The step's top-n on scores holding NaN, +inf and -inf (what inputs that overflow give): in every
-    block (it depends on t only through t // l') it still writes min(n, causal blocks) distinct causal
-    blocks, ascending, block 0 and the local blocks among them, the rest -1 — never a block past the
-    query (a NaN ranks lowest)."""
+    """The step's top-n on scores [G = 2, NB] holding NaN, +inf and -inf (what inputs that overflow give):
+    in every block (it depends on t only through t // l'; all positions in one launch, ``_top_n_at``) it
+    still writes min(n, causal blocks) distinct causal blocks, ascending, block 0 and the local blocks
+    among them, the rest -1 — never a block past the query (a NaN ranks lowest)."""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
     cfg = tiny(block_size=16, n_selected=n_sel)
@@ -249,12 +264,10 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
     s = torch.rand(G, NB)
     for i, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
         s[:, i::3][torch.rand(G, len(range(i, NB, 3))) < 0.4] = bad
-    for t in _top_n_positions(cfg, NB, chunk):
-        pos = torch.tensor([t], dtype=torch.int32, device=DEV)
-        idx = torch.full((1, G, n_sel), 99, dtype=torch.int32, device=DEV)
-        decode.top_n(s.to(DEV), pos, idx, cfg)
+    positions = _top_n_positions(cfg, NB, chunk)
+    for t, idx in zip(positions, _top_n_at(s, positions, cfg)):
         cur, take = t // cfg.block_size, min(n_sel, t // cfg.block_size + 1)
-        for row in idx[0].cpu().tolist():
+        for row in idx.tolist():
             blocks = row[:take]
             assert blocks == sorted(set(blocks)) and all(0 <= j <= cur for j in blocks), (t, row)
             assert {0, cur, max(cur - 1, 0)} <= set(blocks) and row[take:] == [-1] * (n_sel - take), (t, row)
