@@ -102,20 +102,30 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
     todo = [(g, x) for g in range(G) for x in sorted(want[g])]
     silent = []
     per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
+    # every call of a branch has the same rows, min(todo, per_call) + 1 (the last call's spare
+    # rows unperturbed): one batch size, so the Triton decode step compiles once per branch,
+    # not once per chunk size (~3 s a compile). One copy serves every call: a call's perturbed
+    # entries are put back after it, and the cache rewound to before the step (the step writes
+    # token t, and a compressed token it completes, before reading them, the same in every call);
+    # a fresh copy of the whole cache per call was most of a CPU paper-layer case's time
+    c = copy_rows(cache, min(len(todo), per_call) + 1)
     for i in range(0, len(todo), per_call):
         part = todo[i:i + per_call]
-        # every call of a branch has the same rows, min(todo, per_call) + 1 (the last call's spare
-        # rows unperturbed): one batch size, so the Triton decode step compiles once per branch,
-        # not once per chunk size (~3 s a compile)
-        c = copy_rows(cache, min(len(todo), per_call) + 1)
         rows = torch.arange(1, len(part) + 1, device=c.k.device)
         pos = torch.tensor([x for _, x in part], device=c.k.device)
         heads = torch.tensor([g for g, _ in part], device=c.k.device)
+        kept = []
         for name, amp in zip(names, (4.0, 1e3)):             # keys shifted, values far off
             buf = getattr(c, name)
+            kept.append((buf, buf[rows, pos, heads].clone()))
             noise = torch.randn(len(part), buf.shape[-1], device=buf.device, generator=gen).to(buf.dtype)
             buf[rows, pos, heads] += amp * noise
         o = run(c, branch).flatten(1).float()
+        for buf, was in kept:
+            buf[rows, pos, heads] = was
+        c.length = cache.length
+        c.pos.copy_(cache.pos[:1].expand_as(c.pos))
+        c.overflow.zero_()
         moved = (o[1:len(part) + 1] - o[:1]).abs().amax(-1).tolist()
         silent += [part[r] for r in range(len(part)) if moved[r] <= 1e-3 * scale]
     assert not silent, (f"{branch} at t={t}: {len(silent)} tokens the formula says are read did not change the "

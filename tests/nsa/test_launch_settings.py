@@ -6,7 +6,14 @@ import pytest
 import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-T, G, h, DK, DV, L, N_SEL, CMP_LEN, CMP_STRIDE = 150, 2, 2, 32, 16, 16, 4, 8, 4
+G, h, DK, DV, L, N_SEL, CMP_LEN, CMP_STRIDE = 2, 2, 32, 16, 16, 4, 8, 4
+# tokens: past the largest tile of the compressed branch's settings (128 tokens of fp16's forward), with
+# a partial last tile in each; the selection stages (scorer, selection forward and backward), whose tiles
+# are at most 64 tokens and whose programs go token by token, at fewer: past a 64-token tile, more causal
+# blocks than n, a partial last block (5 blocks and 6 tokens), every query selecting block 0 (172 rows:
+# a partial last step of every dk/dv ``rows`` setting)
+T_CMP, T_SEL = 150, 86
+CMP_STAGES = ("cmp_fwd", "cmp_bwd")
 
 
 def _kernels():
@@ -18,17 +25,17 @@ def _kernels():
     return common, compressed, scoring, selection
 
 
-def _inputs(dtype, seed=0):
+def _inputs(dtype, T, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g).to(DEV, dtype)  # noqa: E731
     N = (T - CMP_LEN) // CMP_STRIDE + 1
     return r(T, G * h, DK), r(T, G, DK), r(T, G, DV), r(N, G, DK), r(N, G, DV), r(T, G * h, DV)
 
 
-def _stages(compressed, scoring, selection, dtype):
-    """The five kernel stages in order, each with a function of the earlier stages' outputs (a dict)
-    returning its own."""
-    q, k, v, kc, vc, do = _inputs(dtype)
+def _stages(compressed, scoring, selection, dtype, T):
+    """The five kernel stages in order over T tokens, each with a function of the earlier stages'
+    outputs (a dict) returning its own."""
+    q, k, v, kc, vc, do = _inputs(dtype, T)
     size = q.element_size()
     cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     cu_c = compressed.cmp_cu_seqlens(cu, CMP_LEN, CMP_STRIDE)
@@ -80,16 +87,26 @@ def test_every_fallback_setting_computes_the_same(dtype, tol, monkeypatch):
         return common.launch_fitting(kernel, spec, configs, launch)
     for module in (compressed, scoring, selection):
         monkeypatch.setattr(module, "launch_fitting", record_lists)
-    stages = _stages(compressed, scoring, selection, dtype)
-    want: dict = {}
-    lists: dict[str, list[list[dict]]] = {}
-    for stage, run in stages:
-        taken.clear()
-        with common.forced_config(0):
-            want.update(run(want))
-        lists[stage] = list(taken)
-    assert (want["idx"] >= 0).any()
-    for stage, run in stages:
+    # the compressed stages over T_CMP tokens, the selection stages over T_SEL (their upstream
+    # compressed forward run there at the measured settings)
+    stages = []
+    for T, runs, tested in ((T_CMP, CMP_STAGES, CMP_STAGES), (T_SEL, ("cmp_fwd", "scores", "sel_fwd", "sel_bwd"),
+                                                               ("scores", "sel_fwd", "sel_bwd"))):
+        want: dict = {}
+        for stage, run in _stages(compressed, scoring, selection, dtype, T):
+            if stage not in runs:
+                continue
+            taken.clear()
+            with common.forced_config(0):
+                want.update(run(want))
+            if stage in tested:
+                stages.append((stage, run, want, list(taken)))
+    idx = stages[-1][2]["idx"]
+    assert (idx >= 0).any() and (idx < 0).any()      # rows with fewer causal blocks than n (padded) too
+    assert idx.max() >= N_SEL                         # and rows choosing n of more
+    assert [s[0] for s in stages] == ["cmp_fwd", "cmp_bwd", "scores", "sel_fwd", "sel_bwd"]
+    lists = {stage: taken_lists for stage, _, _, taken_lists in stages}
+    for stage, run, want, _ in stages:
         done = set()
         for i in range(max(len(c) for c in lists[stage])):
             runs_as = tuple(_runs_as(c[min(i, len(c) - 1)]) for c in lists[stage])
