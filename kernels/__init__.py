@@ -5,4 +5,9 @@ Importing this package registers each implementation with ``nsa_core.routing`` (
 decision says why it fell back. (The import name ``kernels`` is shared with an unrelated PyPI
 distribution; ``nsa-validate env`` checks that it resolves to this repo.)
 """
-from kernels import routes  # noqa: F401  (registers the implementations)
+from kernels import interpreter
+
+if interpreter.interpreting():       # before any launch: each nested @jit call would patch triton.language again
+    interpreter.patch_lang_once_per_launch()
+
+from kernels import routes  # noqa: E402,F401  (registers the implementations)

@@ -162,3 +162,51 @@ if __name__ == "__main__":
     why = probe()
     print(json.dumps({"ok": why is None, "error": why, "triton": triton.__version__}))
     sys.exit(0)
+
+
+def patch_lang_once_per_launch() -> bool:
+    """Make Triton's interpreter patch ``triton.language`` once per launch, not again at each nested call.
+
+    Under the interpreter a launch patches ``triton.language`` (and ``.core``) so its builtins run as numpy
+    code, and restores them when the launch ends; every nested ``@jit`` call inside it patches the same
+    modules again and drops the result. Those repeats are half of a program's time in our kernels (an
+    ``inspect.getmembers`` of the language a call; ``tl.sort``'s steps are nested calls), yet change
+    nothing: the modules are patched already. Wrapped here, a nested call patches only the modules the
+    running launch has not (a helper seeing ``triton.language.core`` where the kernel saw only
+    ``triton.language``). Where this Triton's interpreter lacks the pieces (``_patch_lang``,
+    ``_LangPatchScope``, ``GridExecutor``), nothing is changed and False is returned; were their meaning to
+    change, an unpatched builtin fails loudly (outside the interpreter it refuses to run), never silently."""
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    patch, scope, executor = (getattr(ti, n, None) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor"))
+    if patch is None or scope is None or executor is None or not callable(getattr(executor, "__call__", None)):
+        return False
+    if getattr(patch, "__nsa_once__", False):
+        return True
+    import inspect
+    langs = (ti.tl, ti.tl.core)
+    done: set[frozenset[int]] = set()        # the module sets the running launch has patched
+
+    @functools.wraps(patch)
+    def once(fn):
+        key = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs)
+        if key in done:
+            return scope()                    # an empty scope: nothing to restore
+        done.add(key)
+        return patch(fn)
+
+    launch = executor.__call__
+
+    @functools.wraps(launch)
+    def launch_once(self, *args, **kwargs):
+        done.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            done.clear()                      # the launch restored the modules: the next patches them again
+    once.__nsa_once__ = True
+    ti._patch_lang = once
+    executor.__call__ = launch_once
+    return True

@@ -50,3 +50,37 @@ def test_probe_verdict_matches_the_kernels():
     probe_fail = probe()
     assert (kernels_fail is None) == (probe_fail is None), (
         f"probe says {probe_fail or 'ok'}; the selection kernels {kernels_fail or 'ran correctly'}")
+
+
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _sort_kernel(X, OUT, N: tl.constexpr):
+    """Each program's row of X [rows, N] doubled (a nested call) and sorted, descending (``tl.sort``)."""
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(OUT + offs, tl.sort(_twice(tl.load(X + offs)), descending=True))
+
+
+def test_nested_calls_run_right_with_the_language_patched_once_a_launch():
+    """``kernels`` makes the interpreter patch triton.language once a launch (``patch_lang_once_per_launch``):
+    a kernel whose nested @jit calls (a helper of its own, ``tl.sort``'s steps) need the patched language
+    still gives torch's answer, launch after launch, and after each launch the language is restored."""
+    import kernels  # noqa: F401  (installs it)
+    from triton.runtime import interpreter as ti
+    if not getattr(ti._patch_lang, "__nsa_once__", False):
+        pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    arange = tl.arange
+    x = torch.randn(3, 16)
+    for _ in range(2):
+        out = torch.empty_like(x)
+        _sort_kernel[(3,)](x, out, N=16)
+        assert torch.equal(out, (x * 2).sort(dim=1, descending=True).values)
+        assert tl.arange is arange, "the launch left triton.language patched"
