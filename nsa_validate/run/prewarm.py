@@ -110,8 +110,11 @@ class Prewarm:
         failed = [d for d in done if not d.get("ok")]
         if len(done) == self.n:            # all of it in the cache now: later runs skip the warming
             marker = warm_marker(self.kernels)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            except OSError:                # a cache we may not write (or a full disk): the next run warms again
+                pass
         return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(self.procs),
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,

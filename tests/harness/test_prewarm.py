@@ -118,3 +118,20 @@ def test_the_report_says_what_the_warming_did():
     assert "2 failed (first: kernels.x:k: ImportError)" in line and "compiled 4 launches the list lacks" in line
     assert "an earlier run" in _prewarm_line({"list": "l", "skipped": "an earlier run compiled the list into this cache"})
     assert _prewarm_line(None) == ""
+
+
+def test_a_cache_the_marker_cannot_be_written_to_still_gives_a_summary(tmp_path, monkeypatch):
+    """The marker only saves a later run's warming: where Triton's cache cannot be written (read-only,
+    a full disk) the run still gets its summary, and the next run warms again."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocked / "cache"))     # under a file: mkdir fails
+    listed = tmp_path / "list.jsonl"
+    listed.write_text(json.dumps({"fn": "no_such_module:k", "args": [], "kwargs": {}}) + "\n")
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    w = prewarm.Prewarm(listed, run, run / ".compile", processes=1, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    for p in w.procs:
+        p.wait(timeout=120)
+    s = w.summary()
+    assert (s["kernels"], s["failed"]) == (1, 1) and not prewarm.warm_marker(listed).exists()
