@@ -140,11 +140,14 @@ def _note(path: str, seen: set[str], suite: str, fn, args, kwargs, at: float, to
         return
     seen.add(key)
     line = json.dumps({**entry, "suite": suite, "at_s": at, "compile_s": round(took, 3)}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:            # a full disk: the list is a later run's head start, never this launch's failure
+        pass
 
 
 def key(entry: dict) -> str:

@@ -135,3 +135,19 @@ def test_a_cache_the_marker_cannot_be_written_to_still_gives_a_summary(tmp_path,
         p.wait(timeout=120)
     s = w.summary()
     assert (s["kernels"], s["failed"]) == (1, 1) and not prewarm.warm_marker(listed).exists()
+
+
+def test_a_launch_list_that_cannot_be_written_never_fails_the_launch(tmp_path):
+    """The list a suite process writes is a later run's head start: where it cannot be written (a full
+    disk, here a path under a file) the launch that compiled goes on as if nothing were recorded."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    seen: set[str] = set()
+    launches._note(str(blocked / "kernels.jsonl"), seen, "decode", _FakeJit(), (torch.zeros(2),), {"BLOCK": 4}, 1.0, 0.5)
+    assert len(seen) == 1
+
+
+class _FakeJit:
+    """What ``launches._note`` reads of a JIT function: its Python function's module and name."""
+    def __init__(self):
+        self.fn = test_a_launch_list_that_cannot_be_written_never_fails_the_launch
