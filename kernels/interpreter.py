@@ -181,7 +181,7 @@ def patch_lang_once_per_launch() -> bool:
     except ImportError:
         return False
     patch, scope, executor = (getattr(ti, n, None) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor"))
-    if patch is None or scope is None or executor is None or not callable(getattr(executor, "__call__", None)):
+    if patch is None or scope is None or executor is None or "__call__" not in vars(executor):
         return False
     if getattr(patch, "__nsa_once__", False):
         return True

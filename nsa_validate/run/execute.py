@@ -150,7 +150,6 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     manifest["phases_s"] = {"env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
     if warming is not None:
         manifest["prewarm"] = warming.summary()
-        manifest["prewarm"]["unlisted"] = prewarm.unlisted(warming.kernels, run_dir / "kernels.jsonl")
         manifest["phases_s"]["prewarm"] = manifest["prewarm"]["wall_s"]
     shutil.rmtree(run_dir / ".compile", ignore_errors=True)     # the compile locks (compile_once)
     if share_gpu:                  # who held each GPU when: kept under logs/, and checked

@@ -67,7 +67,8 @@ class Prewarm:
 
     def __init__(self, kernels: Path, run_dir: Path, locks: Path, processes: int, env: dict | None = None):
         from nsa_validate.suite import launches
-        self.kernels, self.n = kernels, len(launches.read(kernels))
+        self.kernels, self.entries, self.run_dir = kernels, launches.read(kernels), run_dir
+        self.n = len(self.entries)
         self.work = run_dir / "prewarm"
         self.work.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
@@ -92,8 +93,9 @@ class Prewarm:
 
     def summary(self) -> dict:
         """What was compiled: the list, its kernels, how many compiled (or were found compiled),
-        failed (the first failure's message) or were not reached, and the processes' wall and summed
-        seconds. Stops the processes still running."""
+        failed (the first failure's message) or were not reached, the processes' wall and summed
+        seconds, and the launches the suites compiled that the list lacks (``unlisted``). Stops the
+        processes still running."""
         if not self.poll():
             for p in self.procs:
                 if p.poll() is None:
@@ -119,7 +121,8 @@ class Prewarm:
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
-                "wall_s": round(self.ended - self.t0, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2)}
+                "wall_s": round(self.ended - self.t0, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2),
+                "unlisted": unlisted(self.entries, self.run_dir / "kernels.jsonl")}
 
 
 def _shown(path: Path) -> str:
@@ -129,11 +132,11 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def unlisted(kernels: Path, compiled: Path) -> int:
-    """Launches the run's suites compiled (its ``kernels.jsonl``) that the list lacks: what a
-    stale list costs, the list's owner's cue to copy the run's file over it."""
+def unlisted(entries: list[dict], compiled: Path) -> int:
+    """Launches the run's suites compiled (its ``kernels.jsonl``) that the list's ``entries`` lack:
+    what a stale list costs, the list's owner's cue to copy the run's file over it."""
     from nsa_validate.suite import launches
-    listed = {launches.key(e) for e in launches.read(kernels)}
+    listed = {launches.key(e) for e in entries}
     return sum(launches.key(e) not in listed for e in launches.read(compiled))
 
 

@@ -121,7 +121,6 @@ def record(path: str, suite: str) -> bool:
             took = stack.pop()
             if took and not kwargs.get("warmup"):
                 _note(path, seen, suite, self, args, kwargs, round(time.monotonic() - t0, 2), took)
-    compile_noted.__wrapped_by_launches__ = True
     run_noted.__nsa_launches__ = True
     tc.compile = compile_noted
     JITFunction.run = run_noted
@@ -135,10 +134,10 @@ def _note(path: str, seen: set[str], suite: str, fn, args, kwargs, at: float, to
                  "kwargs": {k: _encode(v) for k, v in kwargs.items()}}
     except _Unrecordable:
         return
-    key = json.dumps(entry, sort_keys=True)
-    if key in seen:
+    k = key(entry)
+    if k in seen:
         return
-    seen.add(key)
+    seen.add(k)
     line = json.dumps({**entry, "suite": suite, "at_s": at, "compile_s": round(took, 3)}) + "\n"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

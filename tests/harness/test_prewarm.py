@@ -55,7 +55,7 @@ def test_read_keeps_each_launch_once_earliest_first_and_skips_a_cut_line(tmp_pat
     assert launches.read(tmp_path / "missing.jsonl") == []
     other = tmp_path / "run.jsonl"
     other.write_text(json.dumps({**b, "at_s": 1}) + "\n" + json.dumps({"fn": "m:d", "args": [], "kwargs": {}}) + "\n")
-    assert prewarm.unlisted(path, other) == 1           # m:d: compiled by the suites, not in the list
+    assert prewarm.unlisted(got, other) == 1            # m:d: compiled by the suites, not in the list
 
 
 def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_path, monkeypatch):
@@ -73,7 +73,8 @@ def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_
     for p in w.procs:
         p.wait(timeout=120)
     s = w.summary()
-    assert (s["kernels"], s["processes"], s["compiled"], s["failed"], s["not_reached"]) == (3, 2, 0, 3, 0), s
+    assert (s["kernels"], s["processes"], s["compiled"], s["failed"], s["not_reached"], s["unlisted"]) == \
+        (3, 2, 0, 3, 0, 0), s
     assert s["first_failure"].startswith(("no_such_module:k", "nsa_validate.paths:REPO_ROOT",
                                           "kernels.no_such_kernel:k")), s
     assert prewarm.warm_marker(listed).exists()
