@@ -4,6 +4,8 @@
 def main() -> None:
     from nsa_validate import startup
     startup.catch_early()
+    from nsa_validate import pycache
+    pycache.enable()                      # before torch is imported: its bytecode, where it keeps none
     from nsa_validate.cli import main as cli_main
     cli_main()
 

@@ -127,12 +127,20 @@ def _needle_layer(S: int, dtype: torch.dtype):
     return m.to(DEV, DTYPES[CFG.dtype]), x.to(DEV, DTYPES[CFG.dtype]), pos, payload
 
 
-@pytest.mark.nsa_exclusive
-def test_needle(record):
-    S = CFG.needle_len or max((S for _, S in CFG.shapes), default=0)
-    if not S:
+NEEDLE_S = CFG.needle_len or max((S for _, S in CFG.shapes), default=0)
+
+
+@pytest.fixture
+def needle():
+    """The needle's layer and input (``_needle_layer``), built in the setup, beside other suites' cases."""
+    if not NEEDLE_S:
         pytest.skip("profile sets no layer shapes (suites.layer.shapes)")
-    m, x, pos, payload = _needle_layer(S, DTYPES[CFG.dtype])
+    return _needle_layer(NEEDLE_S, DTYPES[CFG.dtype])
+
+
+@pytest.mark.nsa_exclusive
+def test_needle(record, needle):
+    S, (m, x, pos, payload) = NEEDLE_S, needle
     with torch.no_grad():
         idx = m.select(x)[0, S - 1]                                     # [G, n]
         with record.capture() as log:                                   # (the profiler is costly: once)

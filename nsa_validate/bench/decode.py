@@ -147,11 +147,12 @@ def loop_rows(calls: int, device, warmup: int = 3) -> int:
     return warmup + (2 if torch.device(device).type == "cuda" else 1) * calls
 
 
-def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
+def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3, warmed=None):
     """``NSAAttention.decode`` called token after token from position t, as the README's usage calls it
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
-    tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. -> timing.LoopTiming."""
+    tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. ``warmed``: called
+    after the warm-up calls (``timing.loop``). -> timing.LoopTiming."""
     from nsa_validate.measure import timing
     B, D = cache.k.shape[0], m.cfg.d_model
     n = loop_rows(calls, device, warmup)
@@ -161,32 +162,89 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3):
     cache.length = t
     with torch.no_grad():
         return timing.loop(lambda i: m.decode(xs[i], cache), calls, device=torch.device(device).type,
-                           warmup=warmup)
+                           warmup=warmup, warmed=warmed)
 
 
-def loop_in_fresh_process(paper: bool, B: int, S: int, capacity: int, dtype: str, calls: int, seed: int,
-                          timeout_s: float = 300):
+READY, GO = "ready", "go"       # ``FreshLoop``'s handshake, one line each way
+
+
+class FreshLoop:
     """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens, the layer's weights from ``seed``)
-    in a new Python process, ``python -m nsa_validate.bench.decode --loop``: as a user's script runs it, with
-    none of the harness's state (inside a suite's process the host's cost a call came out up to twice a fresh
-    process's: docs/decisions.md). -> timing.LoopTiming."""
-    import json
-    import subprocess
-    import sys
+    in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
+    it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
+    a fresh process's: docs/decisions.md). The process starts, builds its cache and layer and makes the
+    loop's warm-up calls when made (``ready`` waits for that), then waits: ``run`` lets it time the loop and
+    returns its ``timing.LoopTiming``. So a suite starts it beside other suites' cases and only the timed
+    loop runs while the case holds the GPU alone. ``close`` ends it (a process never told to go)."""
 
-    from nsa_validate import orphans
-    from nsa_validate.measure import timing
-    cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype", dtype,
-           "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls), "--seed", str(seed)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, preexec_fn=orphans.die_with_parent())
-    if proc.returncode != 0:
-        raise RuntimeError(f"the decode loop's process exited {proc.returncode}: "
-                           + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:]))
-    return timing.LoopTiming(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    def __init__(self, paper: bool, B: int, S: int, capacity: int, dtype: str, calls: int, seed: int,
+                 timeout_s: float = 300, device: str = "cuda"):
+        import subprocess
+        import sys
+
+        from nsa_validate import orphans
+        cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype",
+               dtype, "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls),
+               "--seed", str(seed), "--device", device, "--wait"]
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, preexec_fn=orphans.die_with_parent())
+        self._ready = False
+
+    def _fail(self, what: str):
+        import subprocess
+        self.close()
+        try:
+            _, err = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            err = ""
+        return RuntimeError(f"the decode loop's process {what} (exit code {self.proc.returncode}): "
+                            + " | ".join((err or "").strip().splitlines()[-3:]))
+
+    def ready(self) -> None:
+        """Wait until the process has warmed up and waits for ``run``."""
+        import select
+        import time
+        end = time.monotonic() + self.timeout_s
+        while not self._ready:
+            if not select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+                raise self._fail(f"was not ready in {self.timeout_s:.0f} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise self._fail("ended before it was ready")
+            self._ready = line.strip() == READY
+
+    def run(self):
+        """The timed loop: -> timing.LoopTiming."""
+        import json
+        import subprocess
+
+        from nsa_validate.measure import timing
+        self.ready()
+        try:
+            out, err = self.proc.communicate(GO + "\n", timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise self._fail(f"did not finish its loop in {self.timeout_s:.0f} s") from None
+        if self.proc.returncode != 0 or not out.strip():
+            raise RuntimeError(f"the decode loop's process exited {self.proc.returncode}: "
+                               + " | ".join((err or out).strip().splitlines()[-3:]))
+        return timing.LoopTiming(**json.loads(out.strip().splitlines()[-1]))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
 def probe_seed(B: int, S: int) -> int:
     return B * 7919 + S
+
+
+def _handshake() -> None:
+    """``--wait``: say ready, then wait for the go (a closed stdin, the parent gone, ends the process)."""
+    import sys
+    print(READY, flush=True)
+    if sys.stdin.readline().strip() != GO:
+        raise SystemExit("the decode loop was not told to go")
 
 
 def main(argv=None) -> None:
@@ -199,6 +257,8 @@ def main(argv=None) -> None:
     ap.add_argument("--capacity", type=int, default=None, help="the cache's capacity (default: the context)")
     ap.add_argument("--loop", type=int, default=None, help="time this many NSAAttention.decode calls instead")
     ap.add_argument("--seed", type=int, default=0, help="the layer's weights (--loop)")
+    ap.add_argument("--wait", action="store_true", help=f"--loop: after the warm-up, print {READY!r} and wait for a "
+                                                         f"{GO!r} line on stdin before the timed loop (FreshLoop)")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
     cfg = layer_config(a.config == "paper")
@@ -209,7 +269,8 @@ def main(argv=None) -> None:
         need = a.context - 1 + loop_rows(a.loop, a.device)
         cache, _ = make_inputs(cfg, a.batch, a.context, dt, a.device, probe_seed(a.batch, a.context),
                                capacity=max(a.capacity or 0, need))
-        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, a.context - 1, a.loop, a.device)
+        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, a.context - 1, a.loop, a.device,
+                        warmed=_handshake if a.wait else None)
         print(json.dumps(t.summary()))
         return
     from kernels import decode

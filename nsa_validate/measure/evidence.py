@@ -113,3 +113,17 @@ def observe(device: str) -> Iterator[KernelLog]:
         torch.cuda.synchronize()
     log.collect(prof)
 
+
+
+_READY: list[str] = []
+
+
+def ready(device: str) -> None:
+    """Start the kernel watcher once in this process (``observe`` with nothing inside): its first start
+    sets up the profiler's CUDA tracing, ~2 s on an H200, which a timed case's body should not pay
+    while it holds the GPU alone (the suite plugin calls this in such a case's setup)."""
+    if device != "cuda" or _READY:
+        return
+    with observe(device):
+        pass
+    _READY.append(device)

@@ -324,7 +324,8 @@ class LoopTiming:
         return None
 
 
-def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmup: int = 3) -> LoopTiming:
+def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmup: int = 3,
+         warmed: Callable[[], None] | None = None) -> LoopTiming:
     """Time ``fn(i)`` for i = 0 .. calls−1 back to back, with nothing between the calls: what a decode
     loop in user code gets per token. The wall clock over the loop (synchronised once, at its end)
     and, on a GPU, CUDA events around it; then the host's own cost per call: the same calls made
@@ -332,9 +333,14 @@ def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmu
     behind each sleep: more would fill the GPU's launch queue, and the host would wait for room in it.
     Where wall ≈ host, the host is the limit; where wall ≈ the GPU work of one call, the GPU is.
     ``warmup`` calls first (i = 0 ..), the loop's calls after them; no L2 flush: a loop's calls
-    follow one another."""
+    follow one another. ``warmed``: called between the two, once the warm-up's work has finished
+    (a process made ready ahead of its turn on the GPU waits there: ``bench.decode.FreshLoop``)."""
     for i in range(warmup):
         fn(i)
+    if warmed is not None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        warmed()
     if device != "cuda":
         t0 = time.perf_counter()
         for i in range(warmup, warmup + calls):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nsa_validate import __version__
+from nsa_validate import __version__, pycache
 from nsa_validate.config import profiles
 from nsa_validate.env import envcheck
 from nsa_validate.run import compare, prewarm, rundir
@@ -112,7 +112,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
                 "pid": os.getpid(), "host": socket.gethostname(), "process": rundir.process_identity(os.getpid()),
                 "node": node,         # --node (a scheduler's node name), else the host: merge groups runs by it
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if req.n_gpus > 1 else None,
-                "share_gpu": share_gpu, "workers": workers, "select": req.select, "timeout_s": req.timeout}
+                "share_gpu": share_gpu, "workers": workers, "select": req.select, "timeout_s": req.timeout,
+                "bytecode": pycache.state()}
     if prof.device == "cuda" and device != "cuda":
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     results: dict[str, SuiteResult] = {}

@@ -27,8 +27,11 @@ from nsa_validate.config.registry import SUITES, Suite
 
 def suite_env(ctx: RunContext) -> dict:
     """Environment of a suite process (``interpret.child_env``), on a shard its one GPU, and its
-    share of the CPU's threads when the suite runs as several processes."""
-    env = interpret.child_env(ctx.device)
+    share of the CPU's threads when the suite runs as several processes. pytest loads no plugin a
+    package installed (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``): a suite runs with the project's own
+    hooks only (one that reorders or reruns cases would change what is checked), and each of a
+    GPU run's fifteen processes would import them at its start."""
+    env = interpret.child_env(ctx.device, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     if ctx.workers > 1 and "OMP_NUM_THREADS" not in os.environ:     # the suite's processes share the cores
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // ctx.workers))
     if ctx.gpu_index is not None:      # a shard of `oneshot --gpus`: this suite sees one GPU

@@ -58,10 +58,19 @@ def pytest_runtestloop(session):
         return True
     items = session.items
     _same_cases(path, items)
+    # One module's cases (a suite): a case tears down to the next in collection order, whichever process runs
+    # it, and the next is claimed once this one is done: a long case (a bench waiting to hold the GPU alone)
+    # keeps none from the other processes. Several modules' (make test): the next case is claimed first, as
+    # its own module and class decide what this one tears down.
+    one_module = len({id(it.parent) for it in items}) == 1 and isinstance(items[0].parent, pytest.Module)
     i = claim(path)
     while i < len(items):
-        j = claim(path)             # the next case, claimed now: its fixtures decide what this one tears down
-        items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[j] if j < len(items) else None)
+        if one_module:
+            items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[i + 1] if i + 1 < len(items) else None)
+            j = claim(path)
+        else:
+            j = claim(path)
+            items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=items[j] if j < len(items) else None)
         if session.shouldfail:
             raise session.Failed(session.shouldfail)
         if session.shouldstop:

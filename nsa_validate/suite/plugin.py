@@ -185,13 +185,16 @@ def _watch_parent(pid: int) -> None:
     threading.Thread(target=watch, name="nsa-parent-watch", daemon=True).start()
 
 
+def _skipped(item) -> bool:
+    """A case skipped before it starts (a placeholder included): it touches no GPU."""
+    return bool(item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder") or any(
+        m.args and m.args[0] is True for m in item.iter_markers("skipif")))
+
+
 def _gpu_lock(item) -> str | None:
     """The GPU lock this case takes part in; None: alone on the GPU, or a case skipped before it
-    starts (it touches no GPU: a placeholder waiting for an exclusive hold only delays its suite)."""
-    path = context.current().gpu_lock
-    skipped = item.get_closest_marker("skip") or item.get_closest_marker("nsa_placeholder") or any(
-        m.args and m.args[0] is True for m in item.iter_markers("skipif"))
-    return None if skipped else path
+    starts (a placeholder waiting for an exclusive hold only delays its suite)."""
+    return None if _skipped(item) else context.current().gpu_lock
 
 
 def _exclusive(item) -> bool:
@@ -231,10 +234,16 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # An ``nsa_exclusive`` case holds the lock per phase: its fixtures (inputs, and the compile warm-ups a
-# timed case asks for) run beside other suites' parity cases; only its body runs alone on the GPU.
+# timed case asks for) run beside other suites' parity cases; only its body runs alone on the GPU. Its
+# setup also starts the kernel watcher once in the process (``evidence.ready``), which the body uses.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    with _hold(item, exclusive=False, phase="setup") if _exclusive(item) else nullcontext():
+    if not _exclusive(item):
+        yield
+        return
+    with _hold(item, exclusive=False, phase="setup"):
+        if not _skipped(item):
+            evidence.ready(context.current().device)
         yield
 
 

@@ -60,7 +60,7 @@ def _layer(module: str) -> int:
 # "base" and "cli" are the top-level modules; every other group is a subpackage of that name.
 HARNESS = {
     "base": {"nsa_validate", "nsa_validate.errors", "nsa_validate.paths", "nsa_validate.safefs",
-             "nsa_validate.orphans", "nsa_validate.startup"},
+             "nsa_validate.orphans", "nsa_validate.startup", "nsa_validate.pycache"},
     "env": "what this machine is and can do",
     "measure": "timing, tolerances, hardware ceilings, roofline, evidence, Nsight Compute",
     "bench": "benchmarks as plain functions returning rows",

@@ -156,6 +156,23 @@ def test_layer_measurement_is_host_bound_by_its_gpu_work_alone(tmp_path):
     assert layer_table._stage_cell(row, "compression") == "1.120 (GPU 0.220) / 1.120 (GPU 0.220)"
 
 
+def test_fresh_loop_waits_after_its_warm_up_until_told_to_go():
+    """``FreshLoop`` (the decode bench's user loop, in a process of its own): ready once warmed up, the timed
+    loop only on ``run``; a process that cannot make its loop is one clear error, not a hang."""
+    from nsa_validate.bench import decode
+    loop = decode.FreshLoop(False, 1, 40, 60, "fp32", 2, seed=3, timeout_s=120, device="cpu")
+    try:
+        loop.ready()
+        assert loop.proc.poll() is None, "the process went on without being told to"
+        t = loop.run()
+    finally:
+        loop.close()
+    assert t.timer == "cpu" and t.calls == 2 and t.wall_ms > 0 and loop.proc.returncode == 0
+    bad = decode.FreshLoop(False, 1, 40, 60, "fp8", 2, seed=3, timeout_s=120, device="cpu")
+    with pytest.raises(RuntimeError, match="ended before it was ready .exit code 2.*invalid choice: 'fp8'"):
+        bad.run()
+
+
 def test_decode_loop_entry_point_prints_its_timing(capsys):
     """``python -m nsa_validate.bench.decode --loop N`` (what the decode bench runs in a process of its own on
     a GPU): the loop's ``LoopTiming`` as one JSON line."""

@@ -2,6 +2,7 @@
 the tables come back in case order; the processes are planned from the cores."""
 import json
 import os
+import re
 
 import pytest
 
@@ -67,3 +68,45 @@ def test_workers_are_planned_from_the_cores_and_the_suites_expected_times(monkey
 def test_several_processes_on_a_gpu_one_suite_at_a_time_is_refused():
     with pytest.raises(UsageError, match="--workers 2 on a GPU needs --share-gpu"):
         plan_workers([["a"]], _profile({}), "cuda", False, 2)
+
+
+CLAIMED = '''
+import os, time
+import pytest
+
+@pytest.fixture(scope="module")
+def shared():
+    with open("setups", "a") as f:
+        f.write("x")
+
+def test_a_long_case(shared):
+    end = time.monotonic() + 20
+    while not os.path.exists("b-ran") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert os.path.exists("b-ran"), "the case after this one waited for this one to end"
+
+def test_b(shared):
+    open("b-ran", "w").close()
+
+def test_c(shared):
+    pass
+'''
+
+
+def test_a_long_case_keeps_no_case_from_the_other_processes(tmp_path):
+    """A suite's processes (one module's cases, ``--claim-from``): the case after a long one is claimed only
+    when that one ends, so another process runs it meanwhile; module fixtures stay up between a process's cases."""
+    import subprocess
+    import sys
+
+    from nsa_validate.paths import REPO_ROOT
+    (tmp_path / "test_claimed.py").write_text(CLAIMED)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nsa_validate.suite.claim",
+           "--rootdir", str(tmp_path), "--claim-from", str(tmp_path / "counter"), "test_claimed.py"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    passed = sum(int(n) for o in outs for n in re.findall(r"(\d+) passed", o))
+    assert [p.returncode for p in procs] == [0, 0] and passed == 3, outs
+    assert len((tmp_path / "setups").read_text()) <= 2, "a module fixture was set up again within one process"
