@@ -4,7 +4,7 @@ A cold GPU run is bound by Triton's compiler, which is CPU work: each suite proc
 kernels its cases meet one after another, and one case may meet a dozen. A list of the launches a
 run of the same profile and level compiled (``profiles/kernels/<profile>-<level>.jsonl``, a run's
 ``kernels.jsonl`` copied there; ``nsa_validate.suite.launches``) lets processes of their own
-compile them all, in the order the suites first needed them, side by side with the suites. They
+compile them all, those that must start soonest first (``order``), side by side with the suites. They
 take the run's compile locks (``compile_once``) as the suites do, so no kernel is compiled twice:
 a suite that needs a kernel a warming process is compiling waits for it, then finds it in the
 cache; one the list lacks, the suite compiles itself. Nothing a case checks depends on the list.
@@ -140,12 +140,20 @@ def unlisted(entries: list[dict], compiled: Path) -> int:
     return sum(launches.key(e) not in listed for e in launches.read(compiled))
 
 
+def order(entries: list[dict]) -> list[dict]:
+    """The order the warming processes take the list's launches in: by the latest moment each could
+    start compiling and still be ready when the recording run first needed it (its ``at_s`` less its
+    ``compile_s``). A long compile needed late goes before a short one needed a little earlier (in
+    first-need order it started late, and the case waiting for it ended late)."""
+    return sorted(entries, key=lambda e: e.get("at_s", 0) - e.get("compile_s", 0))
+
+
 def _warm_all(kernels: str, counter: str, locks: str, results: str) -> None:
     """One warming process: claim the list's next launch, compile it, write a line; until none is left."""
     from nsa_validate.suite import compile_once, launches
     from nsa_validate.suite.claim import claim
     compile_once.install(locks)
-    entries = launches.read(kernels)
+    entries = order(launches.read(kernels))
     with open(results, "a", buffering=1) as out:
         while (i := claim(counter)) < len(entries):
             e, t = entries[i], time.perf_counter()

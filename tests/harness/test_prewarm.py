@@ -152,3 +152,10 @@ class _FakeJit:
     """What ``launches._note`` reads of a JIT function: its Python function's module and name."""
     def __init__(self):
         self.fn = test_a_launch_list_that_cannot_be_written_never_fails_the_launch
+
+
+def test_the_warming_takes_long_compiles_needed_late_before_short_ones_needed_sooner():
+    """``prewarm.order``: by the latest moment a compile can start and be ready when the recording run needed it."""
+    entries = [{"fn": "a", "at_s": 5.0, "compile_s": 1.0}, {"fn": "b", "at_s": 20.0, "compile_s": 18.0},
+               {"fn": "c", "at_s": 1.0, "compile_s": 0.5}, {"fn": "d"}]
+    assert [e["fn"] for e in prewarm.order(entries)] == ["d", "c", "b", "a"]

@@ -20,7 +20,7 @@ print(json.dumps({"state": st, "env": os.environ.get("PYTHONPYCACHEPREFIX"),
 
 
 def _run(tmp_path, *, pyc_beside: bool = False, user_prefix: str | None = None) -> dict:
-    pkg = tmp_path / "site" / "torch"
+    pkg = tmp_path / "site-packages" / "torch"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("x = 1\n")
     if pyc_beside:
@@ -28,7 +28,7 @@ def _run(tmp_path, *, pyc_beside: bool = False, user_prefix: str | None = None) 
         py_compile.compile(str(pkg / "__init__.py"), cfile=str(pkg / "__pycache__" /
                                                                f"__init__.{sys.implementation.cache_tag}.pyc"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
-    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1",
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site-packages"), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1",
                XDG_CACHE_HOME=str(tmp_path / "cache"))
     if user_prefix:
         env["PYTHONPYCACHEPREFIX"] = user_prefix
@@ -44,9 +44,10 @@ def test_no_bytecode_beside_torch_keeps_it_in_the_cache_folder(tmp_path):
     prefix = str(tmp_path / "cache" / "nsa-validate" / "pycache")
     assert got["state"]["prefix"] == prefix and got["env"] == prefix
     assert got["dont_write"] is None and got["flag"] is False
-    written = [p for p in (tmp_path / "cache").rglob("*.pyc")]
-    assert any("torch" in str(p) for p in written), written
-    assert not (tmp_path / "site" / "torch" / "__pycache__").exists()
+    written = sorted(p.name.split(".")[0] for p in (tmp_path / "cache").rglob("*.pyc")
+                     if "site-packages/torch/" in str(p))
+    assert written == ["__init__"], written
+    assert not (tmp_path / "site-packages" / "torch" / "__pycache__").exists()
 
 
 @pytest.mark.parametrize("case", ["pyc-beside-torch", "user-prefix"])
