@@ -84,3 +84,31 @@ def test_nested_calls_run_right_with_the_language_patched_once_a_launch():
         _sort_kernel[(3,)](x, out, N=16)
         assert torch.equal(out, (x * 2).sort(dim=1, descending=True).values)
         assert tl.arange is arange, "the launch left triton.language patched"
+
+
+@triton.jit
+def _xor_topk_kernel(X, XOR, TOP, N: tl.constexpr, K: tl.constexpr):
+    """Row-wise ``tl.xor_sum`` of X [rows, N] (int32) and its K largest (``tl.topk``, descending)."""
+    row = tl.program_id(0)
+    x = tl.load(X + row * N + tl.arange(0, N))
+    tl.store(XOR + row, tl.xor_sum(x, 0))
+    tl.store(TOP + row * K + tl.arange(0, K), tl.topk(x, K))
+
+
+def test_xor_reductions_run_in_numpy_and_give_the_element_loops_answer():
+    """``kernels`` makes the interpreter reduce ``^`` in one numpy call (``reduce_xor_in_numpy``): an
+    xor reduction equals the one computed element by element here, and ``tl.topk`` (whose bitonic steps
+    reduce with ``^``) gives torch's top k, ties and negative values included."""
+    import functools
+
+    import kernels  # noqa: F401  (installs it)
+    from triton.runtime import interpreter as ti
+    if not getattr(ti.ReduceOps.apply_impl, "__nsa_xor__", False):
+        pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-2**31, 2**31 - 1, (4, 32), generator=g, dtype=torch.int64).to(torch.int32)
+    x[1, :8] = x[1, 8:16]                                   # ties
+    xor, top = torch.empty(4, dtype=torch.int32), torch.empty(4, 8, dtype=torch.int32)
+    _xor_topk_kernel[(4,)](x, xor, top, N=32, K=8)
+    assert xor.tolist() == [functools.reduce(lambda a, b: a ^ b, row) for row in x.tolist()]
+    assert torch.equal(top, x.sort(dim=1, descending=True).values[:, :8])
