@@ -146,3 +146,15 @@ def test_the_cpu_first_run_keeps_every_check_of_the_full_sweep():
         pytest.skip("a plain pytest takes the GPU's profile here, not the cpu profile")
     full = _functions_with_cases("full")
     assert full and _functions_with_cases("standard") == full
+
+
+def test_a_named_profile_is_read_before_torch_is_imported():
+    """A bad profile name is reported in a moment: ``resolve`` reads a named profile before it imports torch."""
+    import subprocess
+    import sys
+
+    from nsa_validate.paths import REPO_ROOT
+    code = ("import sys\nfrom nsa_validate.config import profiles\nfrom nsa_validate.errors import UsageError\n"
+            "try:\n    profiles.resolve('sm999')\nexcept UsageError as e:\n    print('torch' in sys.modules, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.stdout.startswith("False profile 'sm999' not found"), out.stdout + out.stderr
