@@ -181,38 +181,42 @@ class FreshLoop:
                  timeout_s: float = 300, device: str = "cuda"):
         import subprocess
         import sys
+        import tempfile
+        import threading
 
         from nsa_validate import orphans
         cmd = [sys.executable, "-m", "nsa_validate.bench.decode", "--batch", str(B), "--context", str(S), "--dtype",
                dtype, "--config", "paper" if paper else "tiny", "--capacity", str(capacity), "--loop", str(calls),
                "--seed", str(seed), "--device", device, "--wait"]
         self.timeout_s = timeout_s
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, preexec_fn=orphans.die_with_parent())
-        self._ready = False
+        self.err = tempfile.TemporaryFile(mode="w+")        # a file, not a pipe: warnings never fill it and block
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     preexec_fn=orphans.die_with_parent())
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="fresh-loop-stdout", daemon=True)
+        self._reader.start()
 
-    def _fail(self, what: str):
-        import subprocess
+    def _read(self) -> None:
+        for line in self.proc.stdout:                      # whatever the process prints; READY sets the event
+            self.lines.append(line)
+            if line.strip() == READY:
+                self._ready.set()
+        self._ready.set()                                  # ended: ``ready`` then finds it gone
+
+    def _fail(self, what: str) -> RuntimeError:
         self.close()
-        try:
-            _, err = self.proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            err = ""
+        self.proc.wait()
+        self.err.seek(0)
         return RuntimeError(f"the decode loop's process {what} (exit code {self.proc.returncode}): "
-                            + " | ".join((err or "").strip().splitlines()[-3:]))
+                            + " | ".join(self.err.read().strip().splitlines()[-3:]))
 
     def ready(self) -> None:
         """Wait until the process has warmed up and waits for ``run``."""
-        import select
-        import time
-        end = time.monotonic() + self.timeout_s
-        while not self._ready:
-            if not select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
-                raise self._fail(f"was not ready in {self.timeout_s:.0f} s")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise self._fail("ended before it was ready")
-            self._ready = line.strip() == READY
+        if not self._ready.wait(self.timeout_s):
+            raise self._fail(f"was not ready in {self.timeout_s:.0f} s")
+        if READY not in (x.strip() for x in self.lines):
+            raise self._fail("ended before it was ready")
 
     def run(self):
         """The timed loop: -> timing.LoopTiming."""
@@ -222,13 +226,17 @@ class FreshLoop:
         from nsa_validate.measure import timing
         self.ready()
         try:
-            out, err = self.proc.communicate(GO + "\n", timeout=self.timeout_s)
+            self.proc.stdin.write(GO + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(self.timeout_s)
         except subprocess.TimeoutExpired:
             raise self._fail(f"did not finish its loop in {self.timeout_s:.0f} s") from None
-        if self.proc.returncode != 0 or not out.strip():
-            raise RuntimeError(f"the decode loop's process exited {self.proc.returncode}: "
-                               + " | ".join((err or out).strip().splitlines()[-3:]))
-        return timing.LoopTiming(**json.loads(out.strip().splitlines()[-1]))
+        except OSError:                                    # it died before reading the go
+            raise self._fail("ended before it was told to go") from None
+        self._reader.join(10)
+        if self.proc.returncode != 0 or not self.lines or self.lines[-1].strip() == READY:
+            raise self._fail("ended without its timing")
+        return timing.LoopTiming(**json.loads(self.lines[-1]))
 
     def close(self) -> None:
         if self.proc.poll() is None:
