@@ -7,7 +7,9 @@ again. A suite process imports most of torch (its kernel watcher, ``torch.profil
 so set up, ~7 s of each process's start went to ``compile()`` (docs/decisions.md). ``enable``,
 called first by the ``nsa-validate`` entry point, keeps that bytecode in a cache folder of its own
 (``sys.pycache_prefix``) for this process and the processes it starts, where torch has none beside
-its sources; nothing is written next to anyone's sources, and a prefix the user set is left as it is.
+its sources and the folder can be written; nothing is written next to anyone's sources, and a prefix
+the user set is left as it is. With the prefix, Python reads all bytecode from that folder (not from
+beside other packages' sources): a first run compiles what it imports there once.
 """
 from __future__ import annotations
 
@@ -17,10 +19,27 @@ import sys
 from pathlib import Path
 
 
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/nsa-validate/pycache`` (default ``~/.cache``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def cache_dir() -> Path | None:
+    """``$XDG_CACHE_HOME/nsa-validate/pycache`` (an absolute XDG_CACHE_HOME; else ``~/.cache``); None
+    without a home to put it in."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(root):
+        try:
+            root = str(Path.home() / ".cache")
+        except RuntimeError:                     # no HOME and no passwd entry
+            return None
     return Path(root) / "nsa-validate" / "pycache"
+
+
+def _writable(folder: Path) -> bool:
+    """The folder exists (made now if need be) and this process may write in it: bytecode that cannot
+    be written would be compiled again by every process, where the prefix also hides the bytecode
+    beside the other packages' sources."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def _torch_has_bytecode() -> bool | None:
@@ -42,10 +61,12 @@ def enable() -> dict:
     -> the state the run records (``state``)."""
     if sys.pycache_prefix:
         _STATE.update(prefix=sys.pycache_prefix, why="the prefix set by PYTHONPYCACHEPREFIX")
-    elif _torch_has_bytecode() is not False:
-        _STATE.update(prefix=None, why="torch has its bytecode" if _torch_has_bytecode() else "no torch")
+    elif (has := _torch_has_bytecode()) is not False:
+        _STATE.update(prefix=None, why="torch has its bytecode" if has else "no torch")
+    elif (folder := cache_dir()) is None or not _writable(folder):
+        _STATE.update(prefix=None, why=f"torch has no bytecode, and {folder or 'no home folder'} cannot be written")
     else:
-        prefix = str(cache_dir())
+        prefix = str(folder)
         sys.pycache_prefix = prefix
         sys.dont_write_bytecode = False
         os.environ["PYTHONPYCACHEPREFIX"] = prefix             # the suites' and helpers' processes

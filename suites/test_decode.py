@@ -289,20 +289,21 @@ def bench_setup(B, S):
     decode = _require()
     from kernels import fa2
     from kernels.decode_layer import LayerDecodeStep
-    # the user loop's own process starts first: it builds and warms up beside this setup (``_user_loop``)
+    # the user loop's own process starts first: it builds and warms up beside this setup (``_user_loop``); it is
+    # ended whatever happens after (a failing setup too)
     loop = _fresh_loop(B, S) if GPU else None
-    cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
-    full, _ = _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S)       # the same tokens, no room to grow
-    m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
-    s = SimpleNamespace(cache=cache, new=new, step=decode.DecodeStep(LAYER, cache), m=m,
-                        full_step=decode.DecodeStep(LAYER, full),
-                        alone={br: decode.DecodeStep(LAYER, cache, branches=(br,)) for br in ("cmp", "sel", "win")},
-                        layer=LayerDecodeStep(m, cache), x=torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE),
-                        dense=decode_bench.dense_decodes(LAYER, full, DTYPE, DEV, flash_attn=fa2.unavailable(
-                            "flash_attn", device=DEV, dtype=DTYPE) is None),
-                        placed=[decode.DecodeStep(LAYER, cache) for _ in range(CFG.workspaces - 1)] if GPU else [],
-                        loop=loop)
     try:
+        cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
+        full, _ = _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S)       # the same tokens, no room to grow
+        m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
+        s = SimpleNamespace(cache=cache, new=new, step=decode.DecodeStep(LAYER, cache), m=m,
+                            full_step=decode.DecodeStep(LAYER, full),
+                            alone={br: decode.DecodeStep(LAYER, cache, branches=(br,)) for br in ("cmp", "sel", "win")},
+                            layer=LayerDecodeStep(m, cache), x=torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE),
+                            dense=decode_bench.dense_decodes(LAYER, full, DTYPE, DEV, flash_attn=fa2.unavailable(
+                                "flash_attn", device=DEV, dtype=DTYPE) is None),
+                            placed=[decode.DecodeStep(LAYER, cache) for _ in range(CFG.workspaces - 1)] if GPU else [],
+                            loop=loop)
         with torch.no_grad():
             for st in (s.step, s.full_step, *s.alone.values(), *s.placed):
                 st(**new)

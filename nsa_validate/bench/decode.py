@@ -205,11 +205,13 @@ class FreshLoop:
         self._ready.set()                                  # ended: ``ready`` then finds it gone
 
     def _fail(self, what: str) -> RuntimeError:
-        self.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait()
         self.err.seek(0)
-        return RuntimeError(f"the decode loop's process {what} (exit code {self.proc.returncode}): "
-                            + " | ".join(self.err.read().strip().splitlines()[-3:]))
+        tail = " | ".join(self.err.read().strip().splitlines()[-3:])
+        self.close()
+        return RuntimeError(f"the decode loop's process {what} (exit code {self.proc.returncode}): {tail}")
 
     def ready(self) -> None:
         """Wait until the process has warmed up and waits for ``run``."""
@@ -234,13 +236,25 @@ class FreshLoop:
         except OSError:                                    # it died before reading the go
             raise self._fail("ended before it was told to go") from None
         self._reader.join(10)
-        if self.proc.returncode != 0 or not self.lines or self.lines[-1].strip() == READY:
-            raise self._fail("ended without its timing")
-        return timing.LoopTiming(**json.loads(self.lines[-1]))
+        last = next((x for x in reversed(self.lines) if x.lstrip().startswith("{")), None)
+        try:
+            if self.proc.returncode != 0 or last is None:
+                raise ValueError
+            return timing.LoopTiming(**json.loads(last))
+        except (ValueError, TypeError):
+            raise self._fail("ended without its timing") from None
 
     def close(self) -> None:
+        """End the process (if it still runs) and let go of its pipes and files."""
         if self.proc.poll() is None:
             self.proc.kill()
+        self.proc.wait()
+        self._reader.join(10)                             # it reads to the end of the pipe, then stops
+        for f in (self.proc.stdin, self.proc.stdout, self.err):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
 
 
 def probe_seed(B: int, S: int) -> int:

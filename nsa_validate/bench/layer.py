@@ -236,9 +236,9 @@ def _time(fn: Callable[[], object], device: str, budget_ms: float) -> Measured:
     A call that takes more than a third of the budget is timed three times, right after the call
     that measured its host time (its warm-up); the rest as many times as fit in the budget. The
     queued timing (the GPU's work alone) is made only where the host could be the limit: a call
-    whose host time is under 1/HOST_BOUND of its timed figure cannot be host-bound, and its
-    ``gpu_ms`` stays None (the dense layer's forward+backward at 64k: 0.47 s a call, four calls
-    fewer to wait for)."""
+    whose host time is under (HOST_BOUND − 1)/HOST_BOUND of its timed figure (a third) cannot be
+    host-bound, and its ``gpu_ms`` stays None (the dense layer's forward+backward at 64k: 0.47 s a
+    call, four calls fewer to wait for)."""
     if device != "cuda":            # one call: a CPU timing is noise, and the interpreter is slow
         tm = timing.bench(fn, device=device, warmup=0, reps=1)
         return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, tm.median_ms, None, tm.timer, timing=tm)
@@ -258,7 +258,8 @@ def _time(fn: Callable[[], object], device: str, budget_ms: float) -> Measured:
             tm = timing.bench(fn, device=device, warmup=1, budget_ms=budget_ms, min_reps=SLOW_REPS, max_reps=50,
                               telemetry=False)
         gpu = None
-        if host * HOST_BOUND >= tm.median_ms:
+        # timed <= GPU + host, so with host < timed / 3 the GPU's work is over 2/3 of timed: not host-bound
+        if host * HOST_BOUND / (HOST_BOUND - 1) >= tm.median_ms:
             gpu = timing.bench(fn, device=device, warmup=0, reps=min(QUEUED_REPS, len(tm.samples_ms)), queued=True,
                                telemetry=False).median_ms
         return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, host, peak, tm.timer, gpu_ms=gpu, timing=tm)

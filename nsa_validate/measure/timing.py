@@ -333,13 +333,16 @@ def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmu
     behind each sleep: more would fill the GPU's launch queue, and the host would wait for room in it.
     Where wall ≈ host, the host is the limit; where wall ≈ the GPU work of one call, the GPU is.
     ``warmup`` calls first (i = 0 ..), the loop's calls after them; no L2 flush: a loop's calls
-    follow one another. ``warmed``: called between the two, once the warm-up's work has finished
-    (a process made ready ahead of its turn on the GPU waits there: ``bench.decode.FreshLoop``)."""
+    follow one another. ``warmed``: called once the first warm-up call's work has finished (it compiles
+    and captures what the calls need); a process made ready ahead of its turn on the GPU waits there
+    (``bench.decode.FreshLoop``), and the other warm-up calls then run right before the timed ones."""
     for i in range(warmup):
         fn(i)
-    if warmed is not None:
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if i == 0 and warmed is not None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            warmed()
+    if warmup == 0 and warmed is not None:
         warmed()
     if device != "cuda":
         t0 = time.perf_counter()

@@ -61,7 +61,8 @@ def pytest_runtestloop(session):
     # One module's cases (a suite): a case tears down to the next in collection order, whichever process runs
     # it, and the next is claimed once this one is done: a long case (a bench waiting to hold the GPU alone)
     # keeps none from the other processes. Several modules' (make test): the next case is claimed first, as
-    # its own module and class decide what this one tears down.
+    # its own module and class decide what this one tears down. (A process's last case in one module keeps
+    # the module's and session's fixtures up; pytest tears them down at the session's end.)
     one_module = len({id(it.parent) for it in items}) == 1 and isinstance(items[0].parent, pytest.Module)
     i = claim(path)
     while i < len(items):

@@ -96,19 +96,25 @@ def _xor_topk_kernel(X, XOR, TOP, N: tl.constexpr, K: tl.constexpr):
 
 
 def test_xor_reductions_run_in_numpy_and_give_the_element_loops_answer():
-    """``kernels`` makes the interpreter reduce ``^`` in one numpy call (``reduce_xor_in_numpy``): an
-    xor reduction equals the one computed element by element here, and ``tl.topk`` (whose bitonic steps
-    reduce with ``^``) gives torch's top k, ties and negative values included."""
+    """``kernels`` makes the interpreter reduce ``^`` in one numpy call (``reduce_xor_in_numpy``): no
+    reduction of the kernel runs element by element, an xor reduction equals the one computed here, and
+    ``tl.topk`` (whose bitonic steps reduce with ``^``) gives torch's top k, ties and negatives included."""
     import functools
 
     import kernels  # noqa: F401  (installs it)
     from triton.runtime import interpreter as ti
     if not getattr(ti.ReduceOps.apply_impl, "__nsa_xor__", False):
         pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    def element_loop(self, input):                       # the path the patch takes the xor reductions off
+        raise AssertionError(f"an element-by-element reduction ran ({self.combine_fn})")
+    real, ti.ReduceOps.generic_reduce = ti.ReduceOps.generic_reduce, element_loop
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-2**31, 2**31 - 1, (4, 32), generator=g, dtype=torch.int64).to(torch.int32)
     x[1, :8] = x[1, 8:16]                                   # ties
     xor, top = torch.empty(4, dtype=torch.int32), torch.empty(4, 8, dtype=torch.int32)
-    _xor_topk_kernel[(4,)](x, xor, top, N=32, K=8)
+    try:
+        _xor_topk_kernel[(4,)](x, xor, top, N=32, K=8)
+    finally:
+        ti.ReduceOps.generic_reduce = real
     assert xor.tolist() == [functools.reduce(lambda a, b: a ^ b, row) for row in x.tolist()]
     assert torch.equal(top, x.sort(dim=1, descending=True).values[:, :8])

@@ -19,7 +19,7 @@ print(json.dumps({"state": st, "env": os.environ.get("PYTHONPYCACHEPREFIX"),
 """
 
 
-def _run(tmp_path, *, pyc_beside: bool = False, user_prefix: str | None = None) -> dict:
+def _run(tmp_path, *, pyc_beside: bool = False, user_prefix: str | None = None, cache: str | None = None) -> dict:
     pkg = tmp_path / "site-packages" / "torch"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("x = 1\n")
@@ -29,7 +29,7 @@ def _run(tmp_path, *, pyc_beside: bool = False, user_prefix: str | None = None) 
                                                                f"__init__.{sys.implementation.cache_tag}.pyc"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site-packages"), str(REPO_ROOT)]), PYTHONDONTWRITEBYTECODE="1",
-               XDG_CACHE_HOME=str(tmp_path / "cache"))
+               XDG_CACHE_HOME=cache or str(tmp_path / "cache"))
     if user_prefix:
         env["PYTHONPYCACHEPREFIX"] = user_prefix
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
@@ -61,3 +61,13 @@ def test_an_install_with_bytecode_or_a_users_prefix_is_left_alone(tmp_path, case
         got = _run(tmp_path, user_prefix=mine)
         assert got["state"]["prefix"] == mine and got["env"] == mine
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_is_not_used(tmp_path):
+    """Bytecode that cannot be written would be compiled again by every process, the prefix hiding the
+    bytecode beside the other packages too: where the folder cannot be made, nothing changes."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    got = _run(tmp_path, cache=str(blocker))                 # the folder would be inside a regular file
+    assert got["state"]["prefix"] is None and "cannot be written" in got["state"]["why"]
+    assert got["env"] is None and got["dont_write"] == "1"

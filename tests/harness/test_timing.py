@@ -168,6 +168,9 @@ def test_fresh_loop_waits_after_its_warm_up_until_told_to_go():
     finally:
         loop.close()
     assert t.timer == "cpu" and t.calls == 2 and t.wall_ms > 0 and loop.proc.returncode == 0
+    unused = decode.FreshLoop(False, 1, 40, 60, "fp32", 2, seed=3, timeout_s=120, device="cpu")
+    unused.close()                                          # a setup that failed before the loop ran
+    assert unused.proc.returncode is not None and unused.proc.stdout.closed and unused.err.closed
     bad = decode.FreshLoop(False, 1, 40, 60, "fp8", 2, seed=3, timeout_s=120, device="cpu")
     with pytest.raises(RuntimeError, match="ended before it was ready .exit code 2.*invalid choice: 'fp8'"):
         bad.run()
