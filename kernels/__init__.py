@@ -7,8 +7,7 @@ distribution; ``nsa-validate env`` checks that it resolves to this repo.)
 """
 from kernels import interpreter
 
-if interpreter.interpreting():       # before any launch: each nested @jit call would patch triton.language again,
-    interpreter.patch_lang_once_per_launch()   # and tl.sort's xor reductions would run element by element
-    interpreter.reduce_xor_in_numpy()
+if interpreter.interpreting():       # before any launch: the interpreter's repeated patching and element loops
+    interpreter.speed_up()
 
 from kernels import routes  # noqa: E402,F401  (registers the implementations)

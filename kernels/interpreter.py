@@ -245,3 +245,10 @@ def reduce_xor_in_numpy() -> bool:
     with_xor.__nsa_xor__ = True
     ops.apply_impl = with_xor
     return True
+
+
+def speed_up() -> None:
+    """Both patches above, where this Triton's interpreter has what they wrap (``kernels/__init__.py``
+    installs them before any launch when the kernels run under the interpreter)."""
+    patch_lang_once_per_launch()
+    reduce_xor_in_numpy()

@@ -152,7 +152,7 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3, warmed=No
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. ``warmed``: called
-    after the warm-up calls (``timing.loop``). -> timing.LoopTiming."""
+    after the first warm-up call (``timing.loop``). -> timing.LoopTiming."""
     from nsa_validate.measure import timing
     B, D = cache.k.shape[0], m.cfg.d_model
     n = loop_rows(calls, device, warmup)
@@ -172,10 +172,11 @@ class FreshLoop:
     """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens, the layer's weights from ``seed``)
     in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
     it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
-    a fresh process's: docs/decisions.md). The process starts, builds its cache and layer and makes the
-    loop's warm-up calls when made (``ready`` waits for that), then waits: ``run`` lets it time the loop and
-    returns its ``timing.LoopTiming``. So a suite starts it beside other suites' cases and only the timed
-    loop runs while the case holds the GPU alone. ``close`` ends it (a process never told to go)."""
+    a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows, more where
+    the loop needs them) and layer, makes the loop's first warm-up call (it compiles and captures; ``ready``
+    waits for that), then waits: ``run`` lets it make the other warm-up calls and time the loop, and returns
+    its ``timing.LoopTiming``. So a suite starts it beside other suites' cases and only the loop runs while
+    the case holds the GPU alone. ``close`` ends it (a process never told to go)."""
 
     def __init__(self, paper: bool, B: int, S: int, capacity: int, dtype: str, calls: int, seed: int,
                  timeout_s: float = 300, device: str = "cuda"):
@@ -193,6 +194,7 @@ class FreshLoop:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
                                      preexec_fn=orphans.die_with_parent())
         self.lines: list[str] = []
+        self._said_ready = False
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, name="fresh-loop-stdout", daemon=True)
         self._reader.start()
@@ -201,6 +203,7 @@ class FreshLoop:
         for line in self.proc.stdout:                      # whatever the process prints; READY sets the event
             self.lines.append(line)
             if line.strip() == READY:
+                self._said_ready = True
                 self._ready.set()
         self._ready.set()                                  # ended: ``ready`` then finds it gone
 
@@ -217,7 +220,7 @@ class FreshLoop:
         """Wait until the process has warmed up and waits for ``run``."""
         if not self._ready.wait(self.timeout_s):
             raise self._fail(f"was not ready in {self.timeout_s:.0f} s")
-        if READY not in (x.strip() for x in self.lines):
+        if not self._said_ready:
             raise self._fail("ended before it was ready")
 
     def run(self):

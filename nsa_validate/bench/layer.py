@@ -17,9 +17,10 @@ dense layer with d = (d_k + d_v)/2 for q, k and v is measured too; both are labe
 Every timing is a ``timing.bench`` (CUDA events; L2 flushed), which is what a caller waits for:
 where Python launches slower than the GPU runs, the events measure the host. So each is also timed
 queued (``timing.bench(queued=True)``: the GPU's work alone) where the host could be the limit, and
-one whose timed figure exceeds that by more than HOST_BOUND is host-bound. Host time (the Python call until it returns, before
-any synchronisation, on a warm call: compilation is not host time) is recorded beside them. A
-measurement that runs out of memory is recorded as ``oom`` and the sweep goes on.
+one whose timed figure exceeds that by more than HOST_BOUND is host-bound. Host time (the Python
+call until it returns, before any synchronisation, on a warm call: compilation is not host time) is
+recorded beside them. A measurement that runs out of memory is recorded as ``oom`` and the sweep
+goes on.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ kernels: the dispatch log remains the evidence, and the report says so.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from contextlib import contextmanager
@@ -114,16 +115,10 @@ def observe(device: str) -> Iterator[KernelLog]:
     log.collect(prof)
 
 
-
-_READY: list[str] = []
-
-
+@functools.cache
 def ready(device: str) -> None:
     """Start the kernel watcher once in this process (``observe`` with nothing inside): its first start
     sets up the profiler's CUDA tracing, ~2 s on an H200, which a timed case's body should not pay
     while it holds the GPU alone (the suite plugin calls this in such a case's setup)."""
-    if device != "cuda" or _READY:
-        return
     with observe(device):
         pass
-    _READY.append(device)
