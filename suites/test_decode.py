@@ -272,10 +272,12 @@ def _copy_gbs() -> float | None:
     return limits.measured_bandwidth()[0] if GPU else None
 
 
-def _time(fn, graph):
+def _time(fn, graph, telemetry=False):
+    """``telemetry``: the GPU's clocks, power and temperature read before and after (nvidia-smi, ~35 ms a
+    read on an H200 pod): for the bench's headline timings only, not for each of its dozen timings."""
     if not GPU:                # one call: a CPU timing is noise, and the interpreter is slow (bench.layer alike)
         return timing.bench(fn, device=DEV, warmup=0, reps=1)
-    return timing.bench(fn, device=DEV, graph=graph, budget_ms=300, min_reps=5, max_reps=200)
+    return timing.bench(fn, device=DEV, graph=graph, budget_ms=300, min_reps=5, max_reps=200, telemetry=telemetry)
 
 
 BENCH_CONTEXTS = CFG.bench_contexts if CFG.bench_contexts is not None else CFG.contexts
@@ -339,7 +341,7 @@ def test_bench(B, S, record, bench_setup):
         # the same tokens in a cache without room to grow: the step must not depend on the spare rows
         t["full"] = _time(lambda: bench_setup.full_step(**new), graph=True)
         if GPU:
-            t["graph"] = _time(lambda: step(**new), graph=True)
+            t["graph"] = _time(lambda: step(**new), graph=True, telemetry=True)
             placed.append(t["graph"].median_ms)
             # the same step on workspaces of its own: where the buffers land moves it (``decode.workspaces``)
             for i, other in enumerate(bench_setup.placed, 1):
@@ -350,7 +352,7 @@ def test_bench(B, S, record, bench_setup):
                 placed.append(t[f"graph_ws{i}"].median_ms)
         for br, alone in bench_setup.alone.items():
             t[br] = _time(lambda: alone(**new), graph=True)
-        t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True)
+        t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True, telemetry=True)
         if GPU:             # as many launches doing nothing, chained as the step's: a floor under it
             t["floor"] = _time(_require().launch_floor(DEV, B * LAYER.n_kv_heads), graph=True)
         for name, dd in dense.items():
