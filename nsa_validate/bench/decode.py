@@ -12,6 +12,7 @@ layer's decode step it is judged against, attention alone or the whole layer.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -296,7 +297,9 @@ def main(argv=None) -> None:
                                capacity=max(a.capacity or 0, need))
         t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, a.context - 1, a.loop, a.device,
                         warmed=_handshake if a.wait else None)
-        print(json.dumps(t.summary()))
+        print(json.dumps(t.summary()), flush=True)
+        if a.wait:              # FreshLoop waits for this process's end inside the bench's GPU hold:
+            os._exit(0)         # no Python shutdown of torch and the CUDA context to wait for
         return
     from kernels import decode
     cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], a.device, probe_seed(a.batch, a.context),

@@ -369,8 +369,31 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
 
 
 _CONFIG: list = []
+_EXIT: list[int] = []              # the session's exit status, for ``pytest_unconfigure``
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session) -> None:
     _CONFIG[:] = [session.config]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _EXIT[:] = [int(exitstatus)]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """A suite process the runner started ends here, once pytest has reported, without Python's
+    shutdown: its records, tables and launch log are written case by case, and tearing down torch,
+    the CUDA context and the profiler in Python is what the suite would wait for (the run ends with
+    its last suite). The driver frees the GPU as the process ends, as it would on a kill."""
+    if not (config.getoption("--nsa-context", default=None) and _EXIT):
+        return
+    import sys
+    for f in (config.get_terminal_writer(), sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            f.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(_EXIT[0])
