@@ -153,14 +153,64 @@ def check_interpreter(gpu: bool, probe: dict | None, triton_pinned_by_torch: boo
         return Finding("triton interpreter", "degraded", "the interpreter capability probe could not run",
                        "see `python -m kernels.interpreter` with TRITON_INTERPRET=1 for the error")
     if probe.get("ok"):
+        when = f" (on {probe['cached']}, with this same stack: cached)" if probe.get("cached") else ""
         return Finding("triton interpreter", "ok", f"triton {probe.get('triton')}'s interpreter ran the capability "
-                       "probe correctly: the triton and decode suites run their kernels on this CPU")
+                       f"probe correctly{when}: the triton and decode suites run their kernels on this CPU")
     how = ("torch pins this triton, so upgrade torch to a release whose pinned triton passes"
            if triton_pinned_by_torch else "pip install -U triton (this torch pins no triton)")
     return Finding("triton interpreter", "degraded",
                    f"triton {probe.get('triton')}'s interpreter fails the capability probe ({probe.get('error')}): "
                    "the Triton kernels' cases skip on this CPU with that reason",
                    f"{how}; seen passing: triton 3.8.0 (torch 2.14.1), 3.9.0 (CPU torch 2.13.0); seen failing: 3.6.0")
+
+
+def probe_cache(torch_version: str) -> Path | None:
+    """Where a passing probe of this exact stack is kept: a file named by Python's, torch's, triton's
+    and numpy's versions, the size and time of triton's interpreter source and the probe's own source
+    (``kernels/interpreter.py``, ``kernels/__init__.py``); any of them changed, the probe runs again.
+    None where there is no cache folder or no triton."""
+    import hashlib
+
+    from nsa_validate import pycache
+    folder = pycache.cache_dir()
+    spec = importlib.util.find_spec("triton")
+    if folder is None or spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        st = (Path(spec.submodule_search_locations[0]) / "runtime" / "interpreter.py").stat()
+        h = hashlib.sha256("|".join([sys.version, torch_version, _dist_version("triton") or "", _dist_version("numpy")
+                                     or "", str(st.st_size), str(st.st_mtime_ns)]).encode())
+        for src in ("interpreter.py", "__init__.py"):
+            h.update((REPO_ROOT / "kernels" / src).read_bytes())
+    except OSError:
+        return None
+    return folder.parent / "interpreter-probe" / f"{h.hexdigest()[:24]}.json"
+
+
+def cached_interpreter_probe(torch_version: str) -> tuple[dict | None, str | None]:
+    """``run_interpreter_probe``, or its passing result from an earlier run with this same stack
+    (``probe_cache``; the probe takes ~3 s of a CPU command's start: a Python process importing torch).
+    A failed probe is never kept: it runs again next time."""
+    import json
+    import time
+
+    from nsa_validate import safefs
+    path = probe_cache(torch_version)
+    try:
+        if path is not None and path.is_file():
+            kept = json.loads(path.read_text())
+            if kept.get("ok") is True:
+                return kept, None
+    except (OSError, ValueError):
+        pass                           # unreadable: probe again
+    probe, why = run_interpreter_probe()
+    if path is not None and probe is not None and probe.get("ok") is True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            safefs.atomic_write(path, json.dumps({**probe, "cached": time.strftime("%Y-%m-%d %H:%M")}))
+        except OSError:
+            pass                       # a cache that cannot be written: the next run probes again
+    return probe, why
 
 
 def run_interpreter_probe(timeout: float = 180) -> tuple[dict | None, str | None]:
@@ -365,7 +415,7 @@ def _checks(rep: EnvReport, torch) -> None:
     shadow = check_kernels_shadow(spec.origin if spec else None)
     rep.findings.append(shadow)
     if not gpu and platform.system() == "Linux" and shadow.status == "ok" and f["triton"]:
-        probe, why = run_interpreter_probe()
+        probe, why = cached_interpreter_probe(torch.__version__)
         f["interpreter_probe"] = probe or {"ok": False, "error": why}
         rep.findings.append(check_interpreter(gpu, probe, triton_pin(requires) is not None))
     else:

@@ -95,3 +95,28 @@ def test_interpreter_finding_names_the_probe_error_and_the_fix():
     assert ec.check_interpreter(False, {"ok": True, "triton": "3.8.0"}, True).status == "ok"
     assert ec.check_interpreter(True, None, True).status == "n/a"
     assert ec.check_interpreter(False, None, True).status == "degraded"
+
+
+def test_a_passing_interpreter_probe_is_kept_for_this_stack_and_a_failing_one_is_not(tmp_path, monkeypatch):
+    """The probe (a Python process importing torch: ~3 s of every CPU command's start) runs once per
+    stack: a pass is kept under the cache folder and said to be kept; a failure, or another torch, probes
+    again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+
+    def probe(ok):
+        def run(timeout=180):
+            runs.append(ok)
+            return {"ok": ok, "error": None if ok else "wrong values", "triton": "3.x"}, None
+        return run
+    monkeypatch.setattr(ec, "run_interpreter_probe", probe(False))
+    assert ec.cached_interpreter_probe("2.0")[0]["ok"] is False
+    assert ec.cached_interpreter_probe("2.0")[0]["ok"] is False and runs == [False, False]     # not kept
+    monkeypatch.setattr(ec, "run_interpreter_probe", probe(True))
+    first = ec.cached_interpreter_probe("2.0")[0]
+    kept = ec.cached_interpreter_probe("2.0")[0]
+    assert runs == [False, False, True] and first["ok"] and "cached" not in first and kept["cached"]
+    assert "cached" in ec.check_interpreter(False, kept, True).detail
+    ec.cached_interpreter_probe("2.1")                  # another torch: probed again
+    assert runs == [False, False, True, True]
+    assert ec.probe_cache("2.0").parent == tmp_path / "nsa-validate" / "interpreter-probe"
