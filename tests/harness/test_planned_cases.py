@@ -38,3 +38,23 @@ def test_a_suite_that_runs_less_than_it_planned_is_an_error(name, tmp_path):
     assert r.status == "error", r
     err = [c for c in r.cases if c.status == "error"]
     assert err and "logs/planted.log" in err[-1].reason, err
+
+
+def test_a_suite_process_leaves_with_pytests_status_and_its_report_but_no_shutdown(tmp_path):
+    """A suite process ends as soon as pytest has reported (the plugin's ``pytest_unconfigure``): with
+    pytest's exit status and its summary in the log, every case recorded, and without Python's shutdown
+    (which, with torch and a CUDA context, the run would wait for): a module's atexit handler never runs."""
+    src, run_dir, mark = tmp_path / "src", tmp_path / "run", tmp_path / "shut-down"
+    src.mkdir()
+    shutil.copy(REPO_ROOT / "suites" / "conftest.py", src / "conftest.py")
+    (src / "test_planted.py").write_text(
+        f"import atexit, pathlib\natexit.register(lambda: pathlib.Path({str(mark)!r}).write_text('x'))\n\n"
+        "def test_a():\n    pass\n\ndef test_b():\n    assert False\n")
+    for sub in ("suites", "logs"):
+        (run_dir / sub).mkdir(parents=True)
+    prof, device = profiles.resolve("cpu", "standard")
+    suite = Suite("planted", str(src / "test_planted.py"), "a planted suite", SanityCfg, timeout_s=120)
+    r = run_suite(suite, RunContext(profile=prof, device=device, timeout_s=120), run_dir)
+    assert r.returncode == 1 and [c.status for c in r.cases] == ["pass", "fail"], r
+    assert "1 failed, 1 passed" in (run_dir / "logs" / "planted.log").read_text()
+    assert not mark.exists()
