@@ -166,9 +166,9 @@ def check_interpreter(gpu: bool, probe: dict | None, triton_pinned_by_torch: boo
 
 def probe_cache(torch_version: str) -> Path | None:
     """Where a passing probe of this exact stack is kept: a file named by Python's, torch's, triton's
-    and numpy's versions, the size and time of triton's interpreter source and the probe's own source
-    (``kernels/interpreter.py``, ``kernels/__init__.py``); any of them changed, the probe runs again.
-    None where there is no cache folder or no triton."""
+    (or pytorch-triton's) and numpy's versions, the size and time of triton's interpreter and language
+    sources and its compiled library, and the probe's own code (every ``kernels/*.py``: it imports them
+    all); any of them changed, the probe runs again. None where there is no cache folder or no triton."""
     import hashlib
 
     from nsa_validate import pycache
@@ -176,12 +176,16 @@ def probe_cache(torch_version: str) -> Path | None:
     spec = importlib.util.find_spec("triton")
     if folder is None or spec is None or not spec.submodule_search_locations:
         return None
+    tr = Path(spec.submodule_search_locations[0])
+    parts = [sys.version, torch_version, _dist_version("triton") or _dist_version("pytorch-triton") or "",
+             _dist_version("numpy") or ""]
     try:
-        st = (Path(spec.submodule_search_locations[0]) / "runtime" / "interpreter.py").stat()
-        h = hashlib.sha256("|".join([sys.version, torch_version, _dist_version("triton") or "", _dist_version("numpy")
-                                     or "", str(st.st_size), str(st.st_mtime_ns)]).encode())
-        for src in ("interpreter.py", "__init__.py"):
-            h.update((REPO_ROOT / "kernels" / src).read_bytes())
+        for f in sorted([tr / "runtime" / "interpreter.py", *tr.glob("language/*.py"), *tr.glob("_C/*.so")]):
+            st = f.stat()
+            parts.append(f"{f.relative_to(tr)}:{st.st_size}:{st.st_mtime_ns}")
+        h = hashlib.sha256("|".join(parts).encode())
+        for src in sorted((REPO_ROOT / "kernels").glob("*.py")):
+            h.update(src.read_bytes())
     except OSError:
         return None
     return folder.parent / "interpreter-probe" / f"{h.hexdigest()[:24]}.json"
@@ -199,7 +203,7 @@ def cached_interpreter_probe(torch_version: str) -> tuple[dict | None, str | Non
     try:
         if path is not None and path.is_file():
             kept = json.loads(path.read_text())
-            if kept.get("ok") is True:
+            if isinstance(kept, dict) and kept.get("ok") is True and kept.get("cached"):
                 return kept, None
     except (OSError, ValueError):
         pass                           # unreadable: probe again

@@ -71,7 +71,7 @@ class Prewarm:
         self.n = len(self.entries)
         self.work = run_dir / "prewarm"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.t0, self.t0_wall = time.monotonic(), time.time()
+        self.t0 = time.monotonic()         # the warming processes' line ends too: one clock on Linux
         self.ended: float | None = None
         self.procs = []
         for i in range(max(1, min(processes, self.n))):
@@ -119,7 +119,7 @@ class Prewarm:
                 pass
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
-        wall = last - self.t0_wall if last is not None and len(done) == self.n else self.ended - self.t0
+        wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
         return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(self.procs),
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
@@ -166,7 +166,7 @@ def _warm_all(kernels: str, counter: str, locks: str, results: str) -> None:
             except Exception as ex:        # noqa: BLE001  a line the code has outgrown: the suite compiles it
                 ok, error = False, f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}"
             out.write(json.dumps({"fn": e["fn"], "ok": ok, "s": round(time.perf_counter() - t, 3),
-                                  "end": round(time.time(), 3), "error": error}) + "\n")
+                                  "end": round(time.monotonic(), 3), "error": error}) + "\n")
 
 
 # one warming process (``python -c``: ``-m`` would import this module twice, through its package first). A

@@ -369,7 +369,8 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
 
 
 _CONFIG: list = []
-_EXIT: list[int] = []              # the session's exit status, for ``pytest_unconfigure``
+_SESSION: list = []                # the session, for ``pytest_unconfigure`` (its exit status as pytest ends)
+NORMAL_EXITS = (0, 1, 5)           # pytest: all passed, some failed, nothing collected
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -379,16 +380,19 @@ def pytest_sessionstart(session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
-    _EXIT[:] = [int(exitstatus)]
+    _SESSION[:] = [session]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config) -> None:
-    """A suite process the runner started ends here, once pytest has reported, without Python's
-    shutdown: its records, tables and launch log are written case by case, and tearing down torch,
-    the CUDA context and the profiler in Python is what the suite would wait for (the run ends with
-    its last suite). The driver frees the GPU as the process ends, as it would on a kill."""
-    if not (config.getoption("--nsa-context", default=None) and _EXIT):
+    """A suite process given a run context (the runner's) ends here, once pytest has reported a run
+    that went as runs go (all passed, some failed, nothing collected), without Python's shutdown: its
+    records, tables and launch log are written case by case, and tearing torch, the CUDA context and
+    the profiler down in Python is what the suite would wait for (the run ends with its last suite).
+    The driver frees the GPU as the process ends, as on a kill. Any other ending (a usage error, an
+    interruption, an internal error) goes through pytest's own, which prints its message after this."""
+    status = int(_SESSION[0].exitstatus) if _SESSION else None
+    if not config.getoption("--nsa-context", default=None) or status not in NORMAL_EXITS:
         return
     import sys
     for f in (config.get_terminal_writer(), sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -396,4 +400,4 @@ def pytest_unconfigure(config) -> None:
             f.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    os._exit(_EXIT[0])
+    os._exit(status)

@@ -120,3 +120,17 @@ def test_a_passing_interpreter_probe_is_kept_for_this_stack_and_a_failing_one_is
     ec.cached_interpreter_probe("2.1")                  # another torch: probed again
     assert runs == [False, False, True, True]
     assert ec.probe_cache("2.0").parent == tmp_path / "nsa-validate" / "interpreter-probe"
+
+
+def test_a_kept_probe_file_that_is_not_a_kept_pass_is_probed_again(tmp_path, monkeypatch):
+    """A file in the probe's place that is not what the check writes (not JSON, JSON of another shape, a
+    pass that does not say when it ran) never stands in for the probe, and never breaks the check."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+    monkeypatch.setattr(ec, "run_interpreter_probe", lambda timeout=180: (runs.append(1), ({"ok": True}, None))[1])
+    path = ec.probe_cache("2.0")
+    path.parent.mkdir(parents=True)
+    for text in ("not json", "null", "[1]", '"ok"', '{"ok": true}'):
+        path.write_text(text)
+        assert ec.cached_interpreter_probe("2.0")[0]["ok"] is True
+    assert len(runs) == 5                          # each time probed, none of them taken for a pass

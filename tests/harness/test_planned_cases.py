@@ -58,3 +58,22 @@ def test_a_suite_process_leaves_with_pytests_status_and_its_report_but_no_shutdo
     assert r.returncode == 1 and [c.status for c in r.cases] == ["pass", "fail"], r
     assert "1 failed, 1 passed" in (run_dir / "logs" / "planted.log").read_text()
     assert not mark.exists()
+
+
+def test_a_suite_process_that_ends_otherwise_still_says_why_in_its_log(tmp_path):
+    """Only a run that went as runs go ends early: a usage error raised after the session started (here two
+    processes of one suite that collected different cases) keeps pytest's message in the log."""
+    src, run_dir = tmp_path / "src", tmp_path / "run"
+    src.mkdir()
+    shutil.copy(REPO_ROOT / "suites" / "conftest.py", src / "conftest.py")
+    (src / "conftest.py").write_text((src / "conftest.py").read_text() + '\npytest_plugins = ["nsa_validate.suite.claim"]\n')
+    (src / "test_planted.py").write_text("import os, pytest\n\n@pytest.mark.parametrize('p', [os.getpid()])\n"
+                                         "def test_a(p):\n    pass\n")
+    for sub in ("suites", "logs"):
+        (run_dir / sub).mkdir(parents=True)
+    prof, device = profiles.resolve("cpu", "standard")
+    suite = Suite("planted", str(src / "test_planted.py"), "a planted suite", SanityCfg, timeout_s=120)
+    r = run_suite(suite, RunContext(profile=prof, device=device, timeout_s=120, workers=2), run_dir)
+    assert r.status == "error" and r.returncode == 4, r
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("planted*.log"))
+    assert "collected other cases than the first" in logs, logs[-2000:]
