@@ -389,8 +389,10 @@ def pytest_unconfigure(config) -> None:
     that went as runs go (all passed, some failed, nothing collected), without Python's shutdown: its
     records, tables and launch log are written case by case, and tearing torch, the CUDA context and
     the profiler down in Python is what the suite would wait for (the run ends with its last suite).
-    The driver frees the GPU as the process ends, as on a kill. Any other ending (a usage error, an
-    interruption, an internal error) goes through pytest's own, which prints its message after this."""
+    The driver frees the GPU as the process ends, as on a kill. What pytest reports in its own cleanup
+    is not (an exception raised in a ``__del__`` after the last case, a warning it would print then).
+    Any other ending (a usage error, an interruption, an internal error) goes through pytest's own,
+    which prints its message after this."""
     status = int(_SESSION[0].exitstatus) if _SESSION else None
     if not config.getoption("--nsa-context", default=None) or status not in NORMAL_EXITS:
         return
