@@ -2,7 +2,7 @@
 nsa_validate (the harness) < suites (what it checks); inside the harness, its subpackages in the
 order of ``HARNESS``. Every import, lazy ones included, points down or sideways; no import cycle
 between modules; the dispatch log imports nothing of the project; every CUDA graph is captured
-through one helper."""
+through one helper; the suites' conftest registers every hook and fixture of the suites' plugin."""
 from __future__ import annotations
 
 import ast
@@ -145,3 +145,17 @@ def test_every_cuda_graph_is_captured_through_capturing():
               for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
               if "torch.cuda.graph(" in line and not line.lstrip().startswith("#")]
     assert helper in files and not direct, f"captured without capturing: {direct}"
+
+
+def test_the_suites_conftest_registers_every_hook_and_fixture_of_the_plugin():
+    """``suites/conftest.py`` imports the plugin's hooks and fixtures by name: one it leaves out is never
+    called, silently (the suite processes' early exit was inert so, until a test asked for its effect)."""
+    tree = ast.parse((REPO_ROOT / "nsa_validate" / "suite" / "plugin.py").read_text(encoding="utf-8"))
+
+    def fixture(f) -> bool:
+        return any("fixture" in ast.unparse(d) for d in f.decorator_list)
+    defined = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and (f.name.startswith("pytest_") or fixture(f))}
+    conftest = ast.parse((REPO_ROOT / "suites" / "conftest.py").read_text(encoding="utf-8"))
+    imported = {a.name for n in conftest.body if isinstance(n, ast.ImportFrom) and n.module == "nsa_validate.suite.plugin"
+                for a in n.names}
+    assert {"pytest_configure", "record"} <= defined and not defined - imported, sorted(defined - imported)
