@@ -71,7 +71,7 @@ class Prewarm:
         self.n = len(self.entries)
         self.work = run_dir / "prewarm"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.monotonic()         # the warming processes' line ends too: one clock on Linux
+        self.t0 = time.monotonic()         # the warming processes stamp their lines on it (one clock on Linux)
         self.ended: float | None = None
         self.procs = []
         for i in range(max(1, min(processes, self.n))):
