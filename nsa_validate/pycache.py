@@ -18,17 +18,13 @@ import os
 import sys
 from pathlib import Path
 
+from nsa_validate import paths
+
 
 def cache_dir() -> Path | None:
-    """``$XDG_CACHE_HOME/nsa-validate/pycache`` (an absolute XDG_CACHE_HOME; else ``~/.cache``); None
-    without a home to put it in."""
-    root = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(root):
-        try:
-            root = str(Path.home() / ".cache")
-        except RuntimeError:                     # no HOME and no passwd entry
-            return None
-    return Path(root) / "nsa-validate" / "pycache"
+    """``pycache`` in the user's cache folder (``paths.user_cache``); None without a home to put it in."""
+    root = paths.user_cache()
+    return root / "pycache" if root is not None else None
 
 
 def _writable(folder: Path) -> bool:

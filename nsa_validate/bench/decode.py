@@ -208,10 +208,13 @@ class FreshLoop:
                 self._ready.set()
         self._ready.set()                                  # ended: ``ready`` then finds it gone
 
-    def _fail(self, what: str) -> RuntimeError:
+    def _end(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+    def _fail(self, what: str) -> RuntimeError:
+        self._end()                                        # its last words are in the file once it has ended
         self.err.seek(0)
         tail = " | ".join(self.err.read().strip().splitlines()[-3:])
         self.close()
@@ -250,9 +253,7 @@ class FreshLoop:
 
     def close(self) -> None:
         """End the process (if it still runs) and let go of its pipes and files."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        self._end()
         self._reader.join(10)                             # it reads to the end of the pipe, then stops
         for f in (self.proc.stdin, self.proc.stdout, self.err):
             try:

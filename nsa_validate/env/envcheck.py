@@ -23,7 +23,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from nsa_validate.paths import REPO_ROOT
+from nsa_validate.paths import REPO_ROOT, user_cache
 
 REQUIRED = ("typer", "rich", "pandas", "pytest", "PyYAML", "matplotlib", "packaging")
 # Fallback only, when torch's metadata carries no pin (source/conda builds): torch major.minor ->
@@ -171,8 +171,7 @@ def probe_cache(torch_version: str) -> Path | None:
     all); any of them changed, the probe runs again. None where there is no cache folder or no triton."""
     import hashlib
 
-    from nsa_validate import pycache
-    folder = pycache.cache_dir()
+    folder = user_cache()
     spec = importlib.util.find_spec("triton")
     if folder is None or spec is None or not spec.submodule_search_locations:
         return None
@@ -188,7 +187,7 @@ def probe_cache(torch_version: str) -> Path | None:
             h.update(src.read_bytes())
     except OSError:
         return None
-    return folder.parent / "interpreter-probe" / f"{h.hexdigest()[:24]}.json"
+    return folder / "interpreter-probe" / f"{h.hexdigest()[:24]}.json"
 
 
 def cached_interpreter_probe(torch_version: str) -> tuple[dict | None, str | None]:

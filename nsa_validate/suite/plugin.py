@@ -330,7 +330,7 @@ def pytest_runtest_logstart(nodeid, location) -> None:
     _POSITION[0] = _INDEX.get(nodeid, 0)
     phases.take()
     _STARTED[0] = time.perf_counter()
-    _emit(_CONFIG[0], {"running": nodeid.split("::")[-1].removeprefix("test_")})
+    _emit(_SESSION[0].config, {"running": nodeid.split("::")[-1].removeprefix("test_")})
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -361,25 +361,19 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
         spent = {}
     name = nodeid.split("::")[-1].removeprefix("test_")
     suite = nodeid.split("::")[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
-    _emit(_CONFIG[0], {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
+    _emit(_SESSION[0].config, {"id": name, "suite": suite, "status": st["status"], "reason": st["reason"],
                        "params": _PARAMS.get(nodeid, {}),
                        "metrics": rec.metrics, "backends": rec.backends, "kernels": rec.kernels,
                        "routes": rec.routes, "phases": spent,
                        "duration_s": round(st.get("duration", 0.0), 4), "placeholder": nodeid in _PLACEHOLDERS})
 
 
-_CONFIG: list = []
-_SESSION: list = []                # the session, for ``pytest_unconfigure`` (its exit status as pytest ends)
+_SESSION: list = []                # this process's session: its config, and its exit status as pytest ends
 NORMAL_EXITS = (0, 1, 5)           # pytest: all passed, some failed, nothing collected
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session) -> None:
-    _CONFIG[:] = [session.config]
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus) -> None:
     _SESSION[:] = [session]
 
 
