@@ -4,7 +4,7 @@ of a KV group, split over the context (flash-decoding style), with no host synch
 A step is five launches over preallocated buffers (``LAUNCHES``), so it can be captured in a CUDA
 graph (the position is a device tensor; no shape depends on it):
 
-1. ``_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
+1. ``_cmp_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Given the new token's k/v (``DecodeStep``), it first writes them into the raw
    cache: this launch reads no raw token (an append launch of its own was slower: docs/decisions.md).
    Each program keeps an online softmax over its tiles and writes an unnormalised partial (max,
@@ -21,7 +21,7 @@ graph (the position is a device tensor; no shape depends on it):
    heads: the selection-block scores; ``_topn_kernel`` (one program per (row · KV head)) takes the
    top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
    −1 padded: exactly docs/nsa.md.
-3. ``_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
+3. ``_winsel_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
    (positions j·l' .. min(j·l'+l', t+1)−1), in tiles of one selection block (two at B·G 9–16:
    ``TWO_BLOCK_TILES``).
 4. ``_merge_kernel``: log-sum-exp merge of each branch's partials -> o per branch, the
@@ -67,15 +67,18 @@ from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, precision,
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (docs/decisions.md): partial programs of
-# 4 warps (8 were slower) and 2 stages (3 hold one program per SM; capping registers for more was slower); top-n
-# programs of 8 warps (4 the same, fewer slower); a merge program's d_v columns: ``_launch_shape``
+# 4 warps (8 were slower; their stages: ``PARTIAL_STAGES``); top-n programs of 8 warps (4 the same, fewer slower); a
+# merge program's d_v columns: ``_launch_shape``
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
 # rows with them), and which branches' cache tokens each launch reads
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
-PARTIAL_STAGES = 2             # software-pipelining stages of a partial program's tile loop
+# software-pipelining stages of a partial program's tile loop: 3 on Hopper and later, where the two partial launches
+# run kernels of their own (H200: faster at B=16, the same at B=1 and 8; 4 stages or 8 warps were slower), 2
+# elsewhere, as tuned on the H100 when they shared one kernel (docs/decisions.md)
+PARTIAL_STAGES, PARTIAL_STAGES_SM90 = 2, 3
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
@@ -111,10 +114,10 @@ EARLY_TRIGGER_ROWS = 16
 # remain. Under the late trigger (GDC 3) it merges after: the merge is launched only as the window + selection
 # programs end, so there is no time before its wait to fill (docs/decisions.md)
 CMP_EARLY = True
-# The window programs of the window + selection launch start without waiting (``_partial_kernel``'s WIN_NOWAIT, the new
-# token read from its own buffer; where the step does the append: ``decode_attention``'s ``nowait``), and above
-# EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait (GDC 4): the window streams while the
-# top-n ranks (docs/decisions.md)
+# The window programs of the window + selection launch start without waiting (``_winsel_partial_kernel``'s
+# WIN_NOWAIT, the new token read from its own buffer; where the step does the append: ``decode_attention``'s
+# ``nowait``), and above EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait (GDC 4): the
+# window streams while the top-n ranks (docs/decisions.md)
 WIN_NOWAIT = True
 
 
@@ -126,7 +129,7 @@ def _grid_dependency(GDC: tl.constexpr):
     launched now (its programs then wait in turn); GDC = 3 lets it at the end of the program
     (``_grid_release``); GDC = 4 lets it before waiting (the top-n launch above
     EARLY_TRIGGER_ROWS, so that the window programs after it start while it runs:
-    ``_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
+    ``_winsel_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
     launch before it wrote, so the order is that of plain stream launches (the non-waiting window
     programs, which read nothing those launches write, aside).
 
@@ -156,7 +159,7 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
           DK: tl.constexpr, DV: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
           PREC: tl.constexpr, WANT_V: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) [BH], [BH, BN], [BH, BDV] with one tile of keys: l_i
-    keeps the normaliser per key lane, summed over the lanes once a program (``_partial_kernel``), not once
+    keeps the normaliser per key lane, summed over the lanes once a program (``_partial_store``), not once
     a tile (a sum over the tile's keys crosses warps: a barrier a tile; docs/decisions.md).
     qa [BH, BDA] / qb [BH, BDB]: the query's first BDA columns and the rest (d_k = 192 is 128 + 64:
     no tile padded to 256, so a program's K stages take 3/4 of the shared memory and more programs
@@ -198,7 +201,7 @@ def _block_sums(p, BH: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, CMP_
 
 @triton.jit
 def _cmp_split(t, BG, n_sm, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr,
-               CMP_TILES: tl.constexpr, HALVINGS: tl.constexpr, C_CMP: tl.constexpr):
+               CMP_TILES: tl.constexpr, HALVINGS: tl.constexpr, C_CMP):
     """How the compressed launch splits the compressed tokens held at position t -> (n_cmp, V tiles of
     BNC tokens that hold them, T tiles a program, chunks in use = cdiv(V, T)). From t, not from the
     cache's capacity, so that a cache with room to grow is split as a full one of t + 1 tokens: the
@@ -216,34 +219,48 @@ def _cmp_split(t, BG, n_sm, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
-                    sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg, sib, sig,
-                    scale_log2, c_lo, n_sm,
-                    G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, N_SEL: tl.constexpr,
-                    C_CMP: tl.constexpr, C_WIN: tl.constexpr, NC: tl.constexpr,
-                    CMP_TILES: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
-                    NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr, NBT_P: tl.constexpr,
-                    DK: tl.constexpr, DV: tl.constexpr,
-                    BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
-                    BDV: tl.constexpr, PREC: tl.constexpr, WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                    STAGES: tl.constexpr, APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
-                    WIN_NOWAIT: tl.constexpr = False, SUM_RESHAPE: tl.constexpr = False,
-                    HALVINGS: tl.constexpr = 0):
+def _partial_start(Q, b, g, sqb, sqh, H_PER_G: tl.constexpr, DK: tl.constexpr, BH: tl.constexpr,
+                   BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr):
+    """A partial program's query rows (qa [BH, BDA], qb [BH, BDB]) and empty state: m [BH], l [BH, BN]
+    (per key lane, ``_tile``), acc [BH, BDV], and the tokens read per lane, cnt [BN] (summed once
+    after the tile loop, not per tile: a sum over the tile's lanes crosses warps, a barrier a tile;
+    docs/decisions.md)."""
+    rows = tl.arange(0, BH)
+    qa, qb = load_dk(Q + b * sqb + (g * H_PER_G + rows) * sqh, rows < H_PER_G, DK, BDA, BDB)
+    return (qa, qb, tl.full([BH], float("-inf"), tl.float32), tl.zeros([BH, BN], tl.float32),
+            tl.zeros([BH, BDV], tl.float32), tl.zeros([BN], tl.int32))
+
+
+@triton.jit
+def _partial_store(PM, PL, PACC, PCNT, out, m_i, l_i, acc, cnt, BH: tl.constexpr, BDV: tl.constexpr,
+                   WANT_V: tl.constexpr):
+    """Chunk ``out`` (= bg·NC + c) of the partials: max, normaliser, unnormalised acc, tokens read."""
+    rows = tl.arange(0, BH)
+    offs_dv = tl.arange(0, BDV)
+    tl.store(PM + out * BH + rows, m_i)
+    tl.store(PL + out * BH + rows, tl.sum(l_i, 1))
+    if WANT_V:
+        tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :], acc)
+    tl.store(PCNT + out, tl.sum(cnt, 0))
+
+
+@triton.jit
+def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
+                        sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg,
+                        scale_log2, n_sm, C_CMP, NC, NT,
+                        G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr,
+                        CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, CMP_TILES: tl.constexpr,
+                        HALVINGS: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr, NBT_P: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                        BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                        WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr,
+                        APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, SUM_RESHAPE: tl.constexpr = False):
+    """Launch 1: program (bg, c) over chunk c of the compressed tokens held (``_cmp_split``), BN a
+    tile. C_CMP (chunks), NC (chunks of all branches) and NT (tiles) are plain arguments, not
+    constexprs: steps over caches of different lengths then share one compiled kernel."""
+    _grid_dependency(GDC)
     bg = tl.program_id(0)
-    c = tl.program_id(1) + c_lo
-    if WIN_NOWAIT:
-        # a window program reads nothing an earlier launch of this step writes (the new token's k/v it
-        # takes from KN/VN, not from the cache the compressed launch appends to): it starts without
-        # waiting, beside the top-n. The selection programs wait, so the launch after still finds
-        # every earlier one finished
-        if (c >= C_CMP) & (c < C_CMP + C_WIN):
-            if GDC == 2:
-                tl.extra.cuda.gdc_launch_dependents()
-        else:
-            _grid_dependency(GDC)
-    else:
-        _grid_dependency(GDC)
+    c = tl.program_id(1)
     # 64-bit: the cache strides fit in int32, row b's offset b · (T_max · G · d) may not (B=44 at 64k, B=32 at 128k)
     b = (bg // G).to(tl.int64)
     g = bg % G
@@ -251,63 +268,93 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
     if APPEND:
         # the compressed launch also writes the new token's k/v (KN/VN [B, G, d], contiguous) at t, one
         # program per (row, KV head): it reads no raw token, and the window/selection launch after it does
-        if c == c_lo:
+        if c == 0:
             _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV)
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
-    qa, qb = load_dk(Q + b * sqb + (g * H_PER_G + rows) * sqh, rows < H_PER_G, DK, BDA, BDB)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH, BN], tl.float32)                             # per key lane (``_tile``)
-    acc = tl.zeros([BH, BDV], tl.float32)
-    # tokens read, lane by lane: summed once after the tile loop, not per tile (a sum over the tile's lanes
-    # crosses warps: a barrier a tile; docs/decisions.md)
-    cnt = tl.zeros([BN], tl.int32)
-    if c < C_CMP:
-        # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
-        n_cmp, held, T, _ = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS, C_CMP)
-        if WRITE_SCORES and not SUM_RESHAPE:
-            # token i's span [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. Tiles
-            # start on block boundaries, so the overlap of a tile's BN tokens with the NBT_P blocks from
-            # its first is the same for every tile: built once (per tile it cost ~10% of the loop's instructions)
-            jj = tl.arange(0, NBT_P)
-            span = offs_n * CMP_STRIDE
-            over = ((span[:, None] < (jj[None, :] + 1) * BLOCK) & (span[:, None] + CMP_LEN > jj[None, :] * BLOCK))
-            over = over.to(tl.float32)
-        if CMP_TILES == 1:      # T is 1 at every position: a loop of one, known to the compiler
-            first, n_t = c, 1
+    qa, qb, m_i, l_i, acc, cnt = _partial_start(Q, b, g, sqb, sqh, H_PER_G, DK, BH, BN, BDA, BDB, BDV)
+    # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
+    n_cmp, held, T, _ = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS, C_CMP)
+    if WRITE_SCORES and not SUM_RESHAPE:
+        # token i's span [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. Tiles
+        # start on block boundaries, so the overlap of a tile's BN tokens with the NBT_P blocks from
+        # its first is the same for every tile: built once (per tile it cost ~10% of the loop's instructions)
+        jj = tl.arange(0, NBT_P)
+        span = offs_n * CMP_STRIDE
+        over = ((span[:, None] < (jj[None, :] + 1) * BLOCK) & (span[:, None] + CMP_LEN > jj[None, :] * BLOCK))
+        over = over.to(tl.float32)
+    if CMP_TILES == 1:      # T is 1 at every position: a loop of one, known to the compiler
+        first, n_t = c, 1
+    else:
+        first, n_t = c * T, tl.minimum(c * T + T, held) - c * T
+    for i in tl.range(0, n_t, num_stages=STAGES):
+        ti = first + i
+        kpos = ti * BN + offs_n
+        valid = kpos < n_cmp
+        kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
+        vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
+        m_i, l_i, acc, p, m_run = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+                                        DK, DV, BDA, BDB, PREC, WANT_V)
+        if WRITE_SCORES:
+            # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1. The sums are of the
+            # softmax's own p, relative to the running max m_run at this tile; rows of NBT floats back
+            # to back: a tile's sums are one contiguous run of whole sectors
+            at = (bg * NT + ti).to(tl.int64) * BH + rows
+            if SUM_RESHAPE:
+                bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
+                jb = tl.arange(0, TB)
+                tl.store(BSUM + at[:, None] * NBT + jb[None, :], bsum, eviction_policy="evict_last")
+                tl.store(BSUM + at * NBT + TB, bsum_next, eviction_policy="evict_last")
+            else:
+                # other geometries: p by the 0/1 overlap matrix, fp32-accurate sums (the scores decide the
+                # selection, which must be the oracle's) in two tf32 products: p's top 11 significant bits
+                # (exact in tf32), then the rest. (tf32x3 makes a third, by over's low part: 0, over being
+                # 0/1. Three bf16 products of p's exact bf16 split were no better: docs/decisions.md)
+                p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+                bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
+                tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
+                         eviction_policy="evict_last")
+            tl.store(BMAX + at, m_run, eviction_policy="evict_last")
+        cnt += valid.to(tl.int32)
+    _grid_release(GDC)
+    _partial_store(PM, PL, PACC, PCNT, (bg * NC + c).to(tl.int64), m_i, l_i, acc, cnt, BH, BDV, WANT_V)
+
+
+@triton.jit
+def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
+                           sqb, sqh, skb, skt, skg, svb, svt, svg, sib, sig, scale_log2, c_lo, C_CMP, C_WIN, NC,
+                           G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+                           N_SEL: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                           BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+                           STAGES: tl.constexpr, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
+                           WIN_NOWAIT: tl.constexpr = False):
+    """Launch 4: program (bg, c − c_lo) over chunk c of the partials: the window's chunks C_CMP ..
+    C_CMP + C_WIN − 1, then the selection's (c_lo = C_CMP + C_WIN when the window does not run).
+    C_CMP, C_WIN and NC are plain arguments, as in ``_cmp_partial_kernel``."""
+    bg = tl.program_id(0)
+    c = tl.program_id(1) + c_lo
+    is_win = c < C_CMP + C_WIN
+    if WIN_NOWAIT:
+        # a window program reads nothing an earlier launch of this step writes (the new token's k/v it
+        # takes from KN/VN, not from the cache the compressed launch appends to): it starts without
+        # waiting, beside the top-n. The selection programs wait, so the launch after still finds
+        # every earlier one finished
+        if is_win:
+            if GDC == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         else:
-            first, n_t = c * T, tl.minimum(c * T + T, held) - c * T
-        for i in tl.range(0, n_t, num_stages=STAGES):
-            ti = first + i
-            kpos = ti * BN + offs_n
-            valid = kpos < n_cmp
-            kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
-            vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
-            m_i, l_i, acc, p, m_run = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
-                                            DK, DV, BDA, BDB, PREC, WANT_V)
-            if WRITE_SCORES:
-                # tile tau's tokens reach blocks tau·TB .. tau·TB + NBT − 1. The sums are of the
-                # softmax's own p, relative to the running max m_run at this tile; rows of NBT floats back
-                # to back: a tile's sums are one contiguous run of whole sectors
-                at = (bg * NT + ti).to(tl.int64) * BH + rows
-                if SUM_RESHAPE:
-                    bsum, bsum_next = _block_sums(p, BH, TB, BLOCK, CMP_LEN, CMP_STRIDE)
-                    jb = tl.arange(0, TB)
-                    tl.store(BSUM + at[:, None] * NBT + jb[None, :], bsum, eviction_policy="evict_last")
-                    tl.store(BSUM + at * NBT + TB, bsum_next, eviction_policy="evict_last")
-                else:
-                    # other geometries: p by the 0/1 overlap matrix, fp32-accurate sums (the scores decide the
-                    # selection, which must be the oracle's) in two tf32 products: p's top 11 significant bits
-                    # (exact in tf32), then the rest. (tf32x3 makes a third, by over's low part: 0, over being
-                    # 0/1. Three bf16 products of p's exact bf16 split were no better: docs/decisions.md)
-                    p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-                    bsum = tl.dot(p_hi, over, input_precision="tf32") + tl.dot(p - p_hi, over, input_precision="tf32")
-                    tl.store(BSUM + at[:, None] * NBT + jj[None, :], bsum, mask=jj[None, :] < NBT,
-                             eviction_policy="evict_last")
-                tl.store(BMAX + at, m_run, eviction_policy="evict_last")
-            cnt += valid.to(tl.int32)
-    elif c < C_CMP + C_WIN:
+            _grid_dependency(GDC)
+    else:
+        _grid_dependency(GDC)
+    b = (bg // G).to(tl.int64)          # 64-bit row offsets (``_cmp_partial_kernel``)
+    g = bg % G
+    t = tl.load(POS + b)
+    offs_n = tl.arange(0, BN)
+    offs_dv = tl.arange(0, BDV)
+    qa, qb, m_i, l_i, acc, cnt = _partial_start(Q, b, g, sqb, sqh, H_PER_G, DK, BH, BN, BDA, BDB, BDV)
+    if is_win:
         lo = tl.maximum(t - WINDOW + 1, 0)
         for ti in tl.range(WIN_TILES, num_stages=STAGES):
             kpos = lo + ((c - C_CMP) * WIN_TILES + ti) * BN + offs_n
@@ -347,12 +394,7 @@ def _partial_kernel(Q, K, V, KC, VC, IDX, POS, PM, PL, PACC, PCNT, BSUM, BMAX, K
                                         DK, DV, BDA, BDB, PREC, True)
             cnt += valid.to(tl.int32)
     _grid_release(GDC)
-    out = (bg * NC + c).to(tl.int64)
-    tl.store(PM + out * BH + rows, m_i)
-    tl.store(PL + out * BH + rows, tl.sum(l_i, 1))
-    if WANT_V:
-        tl.store(PACC + (out * BH + rows)[:, None] * BDV + offs_dv[None, :], acc)
-    tl.store(PCNT + out, tl.sum(cnt, 0))
+    _partial_store(PM, PL, PACC, PCNT, (bg * NC + c).to(tl.int64), m_i, l_i, acc, cnt, BH, BDV, True)
 
 
 @triton.jit
@@ -620,12 +662,17 @@ def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.conste
 
 
 # -- launcher -----------------------------------------------------------------------------------
+def _sm90(device) -> bool:
+    """A Hopper or later GPU."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+
+
 def _gdc(device, rows: int) -> int:
     """The kernels' GDC mode (``_grid_dependency``) for a step over ``rows`` = B·G: 0 where
     programmatic dependent launch does not exist (before sm90, the CPU) or ``PDL`` is off; the
     early trigger (2) up to ``EARLY_TRIGGER_ROWS``, the late one (3) above."""
-    dev = torch.device(device)
-    if not PDL or dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (9, 0):
+    if not PDL or not _sm90(device):
         return 0
     return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
@@ -679,6 +726,7 @@ class Plan:
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
     n_sm: int                  # the device's SMs (``_cmp_split`` splits for them at every position)
+    stages: int                # software-pipelining stages of the partial launches' tile loops (``PARTIAL_STAGES``)
 
     @property
     def NC(self) -> int:
@@ -699,6 +747,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
     # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
     BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN1
     n_sm = sm_count(device)
+    gdc = _gdc(device, B * G)
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), triton.cdiv(cfg.n_selected, bpt)
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
@@ -712,8 +761,8 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G), n_sm)
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, gdc,
+                *_launch_shape(B * G), n_sm, PARTIAL_STAGES_SM90 if _sm90(device) else PARTIAL_STAGES)
 
 
 class Workspace:
@@ -766,12 +815,9 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # how the compressed launch splits the tokens held (``_cmp_split``): its kernel, the scorer and the merge agree
     split = dict(CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride, CMP_TILES=p.cmp_tiles,
                  HALVINGS=p.cmp_tiles.bit_length() - 1, C_CMP=p.C_CMP)
-    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, WINDOW=cfg.window, N_SEL=cfg.n_selected, C_WIN=p.C_WIN,
-                  NC=p.NC, WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, **split,
-                  NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p,
-                  DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB, BDV=p.BDV,
-                  PREC=precision(q.dtype), STAGES=PARTIAL_STAGES,
-                  num_warps=PARTIAL_WARPS, **pdl)
+    # what both partial launches take as constexprs (the chunk counts they take as plain arguments)
+    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB,
+                  BDV=p.BDV, PREC=precision(q.dtype), STAGES=p.stages, num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
     # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from
     # the new token's buffer, of the cache's dtype) and selection programs of the same launch wait: the merge after
@@ -783,15 +829,19 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
     kn, vn = (a.contiguous() for a in append) if fused else (q, q)
-    args = (q, k, v, k_cmp, v_cmp, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
-            v_cmp.stride(2), ws.idx.stride(0), ws.idx.stride(1), cfg.scale * LOG2E)
+    qs, ks, vs = (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1),
+                                                                                        v.stride(2))
+    scale_log2 = cfg.scale * LOG2E
     n_sm = p.n_sm
     BG = B * p.G
     if want & {"cmp", "sel"}:
-        _partial_kernel[(BG, p.C_CMP)](*args, 0, n_sm, BN=p.BNC, WANT_V="cmp" in want, WRITE_SCORES="sel" in want,
-                                      APPEND=fused, SUM_RESHAPE=p.sums_by_reshape, **common)
+        _cmp_partial_kernel[(BG, p.C_CMP)](
+            q, k, v, k_cmp, v_cmp, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn, *qs, *ks, *vs,
+            k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
+            scale_log2, n_sm, p.C_CMP, p.NC, p.n_tiles, CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride,
+            CMP_TILES=p.cmp_tiles, HALVINGS=split["HALVINGS"], TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, BN=p.BNC,
+            WANT_V="cmp" in want, WRITE_SCORES="sel" in want, APPEND=fused, SUM_RESHAPE=p.sums_by_reshape,
+            **common)
     if "sel" in want:
         NBP = p.nbp
         BJ = min(NBP, SCORE_BLOCKS)
@@ -804,8 +854,11 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _partial_kernel[(BG, hi - lo)](*args, lo, n_sm, BN=p.BN, WANT_V=True, WRITE_SCORES=False, BPT=p.bpt,
-                                       WIN_NOWAIT=nowait, **common)
+        _winsel_partial_kernel[(BG, hi - lo)](
+            q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, *qs, *ks, *vs, ws.idx.stride(0),
+            ws.idx.stride(1), scale_log2, lo, p.C_CMP, p.C_WIN, p.NC, WINDOW=cfg.window, N_SEL=cfg.n_selected,
+            WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait,
+            **common)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
