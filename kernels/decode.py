@@ -75,10 +75,11 @@ PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
-# software-pipelining stages of a partial program's tile loop: 3 on Hopper and later, where the two partial launches
-# run kernels of their own (H200: faster at B=16, the same at B=1 and 8; 4 stages or 8 warps were slower), 2
-# elsewhere, as tuned on the H100 when they shared one kernel (docs/decisions.md)
-PARTIAL_STAGES, PARTIAL_STAGES_SM90 = 2, 3
+# software-pipelining stages of a partial program's tile loop: 3 on Hopper and later where a compressed program walks
+# DEEP_TILES tiles or more (a long cache), 2 elsewhere. H200, B=16, 3 vs 2: 84.2 vs 93.6 us at 64k with a 2x cache,
+# 132.4 vs 158.2 at 128k; 42.1 vs 39.7 at 4k, 45.7 vs 44.1 at 8k (programs of 2-4 tiles); 4 stages or 8 warps were
+# slower. 2 was the H100's when both partial launches ran one kernel (docs/decisions.md)
+PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
@@ -726,7 +727,7 @@ class Plan:
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
     n_sm: int                  # the device's SMs (``_cmp_split`` splits for them at every position)
-    stages: int                # software-pipelining stages of the partial launches' tile loops (``PARTIAL_STAGES``)
+    stages: int                # software-pipelining stages of both partial launches' tile loops (``PARTIAL_STAGES``)
 
     @property
     def NC(self) -> int:
@@ -762,7 +763,8 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, gdc,
-                *_launch_shape(B * G), n_sm, PARTIAL_STAGES_SM90 if _sm90(device) else PARTIAL_STAGES)
+                *_launch_shape(B * G), n_sm,
+                PARTIAL_STAGES_SM90 if _sm90(device) and ct >= DEEP_TILES else PARTIAL_STAGES)
 
 
 class Workspace:
