@@ -73,13 +73,13 @@ class Prewarm:
         self.work.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()         # the warming processes stamp their lines on it (one clock on Linux)
         self.ended: float | None = None
-        self.procs = []
-        for i in range(max(1, min(processes, self.n))):
-            cmd = [sys.executable, "-c", _WORKER, str(kernels), str(self.work / "counter"), str(locks),
-                   str(self.work / f"done.{i}.jsonl")]
-            with open(run_dir / "logs" / f"prewarm.{i}.log", "w") as log:
-                self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                   start_new_session=True, preexec_fn=orphans.die_with_parent()))
+        # one process, which forks the others once it has imported what they need (``_serve``); its
+        # session holds them all, so that stopping it stops them
+        cmd = [sys.executable, "-c", _SERVER, str(kernels), str(self.work), str(locks), str(run_dir / "logs"),
+               str(max(1, min(processes, self.n)))]
+        with open(run_dir / "logs" / "prewarm.0.log", "w") as log:
+            self.procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True, preexec_fn=orphans.die_with_parent())]
 
     def poll(self) -> bool:
         """True once every warming process has ended."""
@@ -120,7 +120,7 @@ class Prewarm:
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
         wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
-        return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(self.procs),
+        return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(list(self.work.glob("done.*.jsonl"))),
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
@@ -169,7 +169,61 @@ def _warm_all(kernels: str, counter: str, locks: str, results: str) -> None:
                                   "end": round(time.monotonic(), 3), "error": error}) + "\n")
 
 
-# one warming process (``python -c``: ``-m`` would import this module twice, through its package first). A
-# Ctrl-C is the run's to handle: it stops these processes itself (``summary``)
-_WORKER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-           "from nsa_validate.run.prewarm import _warm_all; _warm_all(*sys.argv[1:5])")
+def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> None:
+    """The warming processes: this one imports the list's kernel modules (torch, triton and the
+    kernels) once, then forks the others, so that they start compiling at once rather than each
+    importing them again (on a pod's cold disk ~10 s a process, 15 processes at once beside the
+    suites': docs/decisions.md). Every process takes launches off the list (``_warm_all``) until
+    none is left. Nothing here starts CUDA, which a forked process could not use: the children
+    start it themselves, at their first compile; were it started, this process warms alone."""
+    import importlib
+    from nsa_validate.suite import launches
+    # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    for module in sorted({e["fn"].partition(":")[0] for e in launches.read(kernels)}):
+        try:
+            importlib.import_module(module)
+        except Exception:                  # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
+            pass
+    torch = sys.modules.get("torch")
+    n = int(processes) if torch is None or not torch.cuda.is_initialized() else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children, pre = [], orphans.die_with_parent()        # made here: it names this process as the parent
+    for i in range(1, n):
+        pid = os.fork()
+        if pid == 0:
+            _child(i, pre, kernels, work, locks, logs)
+        children.append(pid)
+    _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.0.jsonl")
+    for pid in children:
+        os.waitpid(pid, 0)
+
+
+def _child(i: int, pre, kernels: str, work: str, locks: str, logs: str) -> None:
+    """Forked warming process ``i``: its own log, killed with the process that forked it (``pre``:
+    ``orphans.die_with_parent``'s, made before the fork); never returns (``os._exit``: the parent's
+    exit handlers are the parent's)."""
+    code = 1
+    try:
+        if pre is not None:
+            pre()
+        fd = os.open(f"{logs}/prewarm.{i}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.{i}.jsonl")
+        code = 0
+    except BaseException:                  # noqa: BLE001  into its log, then gone like the others
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# the warming processes' first (``python -c``: ``-m`` would import this module twice, through its package first).
+# A Ctrl-C is the run's to handle: it stops these processes itself (``summary``); the forked ones inherit the ignore
+_SERVER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+           "from nsa_validate.run.prewarm import _serve; _serve(*sys.argv[1:6])")

@@ -85,6 +85,58 @@ def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_
     assert not prewarm.warm_marker(listed).exists()       # another list: warmed again
 
 
+def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_path):
+    """One process imports the list's modules, then forks the others (each with its own log and lines):
+    the module runs once, not once a process; stopping the run stops every one of them."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "probe_kernels.py").write_text(
+        f"import os, time\nwith open({str(tmp_path / 'imports')!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+        "time.sleep(1)\n")                 # slow, as torch's import is: each process would have imported it
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("".join(json.dumps({"fn": f"probe_kernels:k{i}", "args": [], "kwargs": {}, "at_s": i}) + "\n"
+                              for i in range(6)))
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(tmp_path / "mods")]),
+               TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    w = prewarm.Prewarm(listed, run, run / ".compile", processes=3, env=env)
+    for p in w.procs:
+        p.wait(timeout=120)
+    s = w.summary()
+    assert (s["processes"], s["failed"], s["not_reached"]) == (3, 6, 0), s     # k0..k5: no such kernel
+    assert len((tmp_path / "imports").read_text().split()) == 1
+    assert sorted(p.name for p in (run / "logs").glob("prewarm.*.log")) == [f"prewarm.{i}.log" for i in range(3)]
+    # a list that keeps them busy: the summary of a run that ended first leaves none running
+    (tmp_path / "mods" / "probe_slow.py").write_text(
+        "import time\nclass Slow:\n    def warmup(self, *args, **kwargs):\n        time.sleep(60)\nk = Slow()\n")
+    listed.write_text("".join(json.dumps({"fn": "probe_slow:k", "args": [i], "kwargs": {}}) + "\n" for i in range(3)))
+    run = tmp_path / "run2"
+    (run / "logs").mkdir(parents=True)
+    w = prewarm.Prewarm(listed, run, run / ".compile", processes=3, env=env)
+    deadline = time.monotonic() + 60
+    while len(list((run / "prewarm").glob("done.*.jsonl"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = _group(w.procs[0].pid)
+    assert len(pids) == 3, pids
+    w.summary()
+    time.sleep(0.5)
+    assert _group(w.procs[0].pid) == [], "a warming process outlived the run's summary"
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and stat[0] != "Z":
+                out.append(int(d))
+    return out
+
+
 @pytest.mark.skipif(not GPU, reason="Triton compiles for a GPU only (the interpreter compiles nothing)")
 def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
     """A process records a real kernel launch; another, on a fresh Triton cache, compiles the line
