@@ -24,7 +24,8 @@ EXPECT = {
     "triton:sel_fwd": r"^_(sel|prefix)_fwd_kernel\b",
     "triton:prefix_fwd": r"^_prefix_fwd_kernel\b",
     "triton:sel_bwd": r"^_sel_(dq|dkdv|dkdv_reduce)_kernel\b",
-    "triton:decode": r"^_(partial|scores|topn|merge)_kernel\b",
+    # the decode step's launches (kernels/decode.py: LAUNCHES), the append fused into the first
+    "triton:decode": r"^_(cmp_partial|scores|topn|winsel_partial|merge)_kernel\b",
     "triton:cmp_fwd": r"^_cmp_fwd_kernel\b",
     "triton:cmp_bwd": r"^_cmp_(dq|dkdv)_kernel\b",
     "triton:select": r"^_score_topn_kernel\b",

@@ -65,14 +65,30 @@ def test_a_path_observed_block_wide_keeps_only_its_own_kernels():
     for br in ("cmp", "sel", "win"):
         log.counts[("decode", br, "triton")] = 1
     rec = plugin.Recorder()
-    rec._klog = _log("_partial_kernel", "_merge_kernel", *MATH, ranges={"decode/step": [MATH[1]]})
+    rec._klog = _log("_cmp_partial_kernel", "_merge_kernel", *MATH, ranges={"decode/step": [MATH[1]]})
     for br in ("cmp", "sel", "win"):
         rec.expect_ran(log, "decode", br, "triton")
-        assert rec.kernels[f"decode/{br}"] == ["_merge_kernel", "_partial_kernel"]
+        assert rec.kernels[f"decode/{br}"] == ["_cmp_partial_kernel", "_merge_kernel"]
     rec = plugin.Recorder()          # none of the family ran: the case fails and names what did
     rec._klog = _log(*MATH)
     with pytest.raises(AssertionError, match="the GPU ran no triton:decode kernel for decode/cmp.*sm90_xmma"):
         rec.expect_ran(log, "decode", "cmp", "triton")
+
+
+def test_the_decode_family_names_every_kernel_the_step_launches():
+    """The decode step's kernels, by their names in kernels/decode.py, are the ``triton:decode`` family
+    (a renamed kernel would otherwise drop out of the evidence unnoticed); the stand-alone append and the
+    launch floor, which are not the step's attention, are not."""
+    import re
+
+    import triton
+    from kernels import decode
+    from nsa_validate.measure.evidence import EXPECT
+    names = {n for n, f in vars(decode).items()       # JIT functions (interpreted ones too) that launch as kernels
+             if isinstance(f, triton.runtime.jit.KernelInterface) and n.endswith("_kernel")}
+    family = {n for n in names if re.search(EXPECT["triton:decode"], n)}
+    assert family == names - {"_append_kernel", "_empty_kernel"}, (sorted(family), sorted(names))
+    assert len(family) == len(decode.LAUNCHES)
 
 
 def test_a_capture_records_every_path_the_dispatch_log_saw(monkeypatch):
