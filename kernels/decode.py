@@ -75,10 +75,12 @@ PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
-# software-pipelining stages of a partial program's tile loop: 3 on Hopper and later where a compressed program walks
-# DEEP_TILES tiles or more (a long cache), 2 elsewhere. H200, B=16, 3 vs 2: 84.2 vs 93.6 us at 64k with a 2x cache,
-# 132.4 vs 158.2 at 128k; 42.1 vs 39.7 at 4k, 45.7 vs 44.1 at 8k (programs of 2-4 tiles); 4 stages or 8 warps were
-# slower. 2 was the H100's when both partial launches ran one kernel (docs/decisions.md)
+# software-pipelining stages of a partial program's tile loop: 3 on Hopper (sm90, where measured) for 16-bit caches
+# whose plan gives a compressed program DEEP_TILES tiles or more (the capacity's: ``_cmp_split`` may walk fewer), 2
+# elsewhere. H200, B=16, 2x caches, 3 vs 2: 84.2 vs 93.6 us at 64k, 132.4 vs 158.2 at 128k; 42.1 vs 39.7 at 4k, 45.7
+# vs 44.1 at 8k (2-4 tiles), 51.8 vs 50.8-51.0 at 16k (8 tiles, 4 walked); B=4 64k (8 tiles) 36.5 vs 37.3. 4 stages
+# or 8 warps were slower. fp32 tiles with 3 stages outgrow the shared memory (window + selection: ~340 KB). 2 was
+# the H100's when both partial launches ran one kernel (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
@@ -663,17 +665,21 @@ def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.conste
 
 
 # -- launcher -----------------------------------------------------------------------------------
-def _sm90(device) -> bool:
-    """A Hopper or later GPU."""
+def _stages(device, dtype: torch.dtype, cmp_tiles: int) -> int:
+    """The partial launches' pipeline stages (``PARTIAL_STAGES``) for a cache of ``dtype`` whose plan
+    gives a compressed program ``cmp_tiles`` tiles."""
     dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+    hopper = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+    deep = hopper and dtype.itemsize == 2 and cmp_tiles >= DEEP_TILES
+    return PARTIAL_STAGES_SM90 if deep else PARTIAL_STAGES
 
 
 def _gdc(device, rows: int) -> int:
     """The kernels' GDC mode (``_grid_dependency``) for a step over ``rows`` = B·G: 0 where
     programmatic dependent launch does not exist (before sm90, the CPU) or ``PDL`` is off; the
     early trigger (2) up to ``EARLY_TRIGGER_ROWS``, the late one (3) above."""
-    if not PDL or not _sm90(device):
+    dev = torch.device(device)
+    if not PDL or dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (9, 0):
         return 0
     return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
@@ -739,7 +745,7 @@ class Plan:
         return self.C_CMP * self.cmp_tiles
 
 
-def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
+def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dtype) -> Plan:
     G, h = cfg.n_kv_heads, cfg.heads_per_group
     BN1 = max(16, triton.next_power_of_2(cfg.block_size))
     lo, hi = TWO_BLOCK_TILES
@@ -763,8 +769,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device) -> Plan:
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, gdc,
-                *_launch_shape(B * G), n_sm,
-                PARTIAL_STAGES_SM90 if _sm90(device) and ct >= DEEP_TILES else PARTIAL_STAGES)
+                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct))
 
 
 class Workspace:
@@ -810,7 +815,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if bad or not branches:
         raise ValueError(f"branches must be a non-empty subset of {BRANCHES}, got {branches!r}")
     B = q.shape[0]
-    p = p or plan(cfg, B, k.shape[1], k_cmp.shape[1], q.device)
+    p = p or plan(cfg, B, k.shape[1], k_cmp.shape[1], q.device, k.dtype)
     ws = ws or Workspace(p, q.dtype, q.device)
     want = set(branches)
     pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
@@ -908,7 +913,7 @@ class DecodeStep:
         self.cfg, self.branches = cfg, tuple(branches)
         self._cache = weakref.ref(cache) if held_by_cache else lambda: cache
         B = cache.k.shape[0]
-        self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device)
+        self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device, cache.k.dtype)
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
         assert cache.k.stride(2) == cfg.d_k and cache.v.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
 

@@ -126,7 +126,7 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
     torch.manual_seed(5)
     m = NSAAttention(cfg).to(DEV)
     x = torch.randn(2, 100, cfg.d_model, device=DEV)
-    p = decode.plan(cfg, 2, 100, cfg.n_cmp(99), DEV)
+    p = decode.plan(cfg, 2, 100, cfg.n_cmp(99), DEV, torch.float32)
     assert (p.BDA + p.BDB >= d_k) and (p.BDB > 0) == (d_k not in (16, 32, 64)) and p.BNC == cmp_tile
     with torch.no_grad():
         for t in (47, 99):
@@ -338,3 +338,16 @@ def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkey
     ref = reference.forward(m, x, idx=full_idx)["out"][:, P:]
     r = compare(torch.cat(steps, 1), ref, None, dtype=torch.float32)
     assert r["ok"], r
+
+
+@pytest.mark.parametrize("cap,dtype,tiles,want", [
+    ((9, 0), torch.bfloat16, 16, 3), ((9, 0), torch.float16, 8, 3), ((9, 0), torch.bfloat16, 4, 2),
+    ((9, 0), torch.float32, 16, 2), ((10, 0), torch.bfloat16, 16, 2), ((8, 0), torch.bfloat16, 16, 2)],
+    ids=["sm90-bf16-16tiles", "sm90-fp16-8tiles", "sm90-bf16-4tiles", "sm90-fp32", "sm100", "sm80"])
+def test_partial_launches_pipeline_three_stages_only_where_measured(cap, dtype, tiles, want, monkeypatch):
+    """3 stages where they were measured faster (Hopper, 16-bit caches, compressed programs of DEEP_TILES
+    tiles or more); fp32 tiles would outgrow the shared memory, other GPUs were not measured; the CPU: 2."""
+    from kernels import decode
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cap)
+    assert decode._stages("cuda", dtype, tiles) == want
+    assert decode._stages("cpu", dtype, tiles) == decode.PARTIAL_STAGES
