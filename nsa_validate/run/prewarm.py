@@ -183,19 +183,30 @@ def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> No
     for module in sorted({e["fn"].partition(":")[0] for e in launches.read(kernels)}):
         try:
             importlib.import_module(module)
-        except Exception:                  # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
-            pass
+        except Exception as e:             # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
+            print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
+    n = int(processes)
     torch = sys.modules.get("torch")
-    n = int(processes) if torch is None or not torch.cuda.is_initialized() else 1
+    if torch is not None and torch.cuda.is_initialized() and n > 1:
+        print("prewarm: CUDA was started by an import: one warming process, no forks", file=sys.stderr)
+        n = 1
     sys.stdout.flush()
     sys.stderr.flush()
     children, pre = [], orphans.die_with_parent()        # made here: it names this process as the parent
     for i in range(1, n):
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:               # no room for another process: those forked so far do the work
+            print(f"prewarm: {i} warming processes: fork failed ({e})", file=sys.stderr)
+            break
         if pid == 0:
             _child(i, pre, kernels, work, locks, logs)
         children.append(pid)
-    _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.0.jsonl")
+    try:
+        _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.0.jsonl")
+    except Exception:                      # noqa: BLE001  into its log; the forked ones go on (they die with it)
+        import traceback
+        traceback.print_exc()
     for pid in children:
         os.waitpid(pid, 0)
 

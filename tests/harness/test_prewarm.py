@@ -81,6 +81,7 @@ def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_
     assert s["first_failure"].startswith(("no_such_module:k", "nsa_validate.paths:REPO_ROOT",
                                           "kernels.no_such_kernel:k")), s
     assert prewarm.warm_marker(listed).exists()
+    assert "importing no_such_module: ModuleNotFoundError" in (run / "logs" / "prewarm.0.log").read_text()
     listed.write_text(listed.read_text() + json.dumps({"fn": "m:e", "args": [], "kwargs": {}}) + "\n")
     assert not prewarm.warm_marker(listed).exists()       # another list: warmed again
 
