@@ -260,7 +260,8 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
                         APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, SUM_RESHAPE: tl.constexpr = False):
     """Launch 1: program (bg, c) over chunk c of the compressed tokens held (``_cmp_split``), BN a
     tile. C_CMP (chunks), NC (chunks of all branches) and NT (tiles) are plain arguments, not
-    constexprs: steps over caches of different lengths then share one compiled kernel."""
+    constexprs: steps over caches of different lengths can share a compile (Triton still
+    specialises an integer of 1 and multiples of 16)."""
     _grid_dependency(GDC)
     bg = tl.program_id(0)
     c = tl.program_id(1)
