@@ -4,7 +4,9 @@ point). A Ctrl-C while Python imports the CLI and torch would otherwise end in a
 lost; ``take_early`` hands what arrived to the CLI, which stops at once."""
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 _NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
 _early: list[str] = []
@@ -30,3 +32,15 @@ def take_early() -> list[str]:
     _saved.clear()
     got, _early[:] = list(_early), []
     return got
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: its start time in /proc against the boot-time clock,
+    to a clock tick); None where that cannot be read. The run records it as its ``start`` phase: Python's
+    own start and the CLI's imports before the run began, the part no timer inside the run sees."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

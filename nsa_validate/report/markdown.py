@@ -197,7 +197,9 @@ def _time_spent(res: dict) -> list[str]:
     if not rows:
         return []
     m = res["manifest"].get("phases_s") or {}
-    head = (f"Environment check {m['env']} s, suites {m['suites']} s (wall). " if "env" in m and "suites" in m else "")
+    head = ((f"The command's start {m['start']} s, " if "start" in m else "")
+            + (f"environment check {m['env']} s, suites {m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
+    head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
             head + _prewarm_line(res["manifest"].get("prewarm")) +
             "Per suite, its cases' seconds: compiling Triton kernels (cache hits and waits for a kernel another "

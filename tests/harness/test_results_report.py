@@ -127,3 +127,24 @@ def test_junit_fails_exactly_when_the_verdict_does(tmp_path, blocking):
 def test_nan_metrics_keep_json_valid(tmp_path):
     write_json(tmp_path / "x.json", {"a": float("nan"), "b": [float("inf")]})
     assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": ["inf"]}   # NaN: null
+
+
+def test_where_the_time_went_starts_with_the_commands_own_start():
+    """The run's phases as the report says them: the command's start (Python and the CLI's imports, before
+    the run began), the environment check and the suites; a run folder without the start says the rest."""
+    from nsa_validate.report.markdown import _time_spent
+    res = {"manifest": {"phases_s": {"start": 7.9, "env": 3.25, "suites": 56.35}},
+           "suites": {"decode": {"duration_s": 53.4, "phases_s": {"compile": 20.0, "run": 30.0}}}}
+    text = "\n".join(_time_spent(res))
+    assert "The command's start 7.9 s, environment check 3.25 s, suites 56.35 s (wall)." in text
+    del res["manifest"]["phases_s"]["start"]
+    assert "Environment check 3.25 s, suites 56.35 s (wall)." in "\n".join(_time_spent(res))
+
+
+def test_a_process_knows_how_long_ago_it_started():
+    """``startup.process_age``: the seconds since the process started, Python's own start included."""
+    import subprocess
+    import sys
+    code = "import time; time.sleep(1.2); from nsa_validate import startup; print(startup.process_age())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.2 <= age < 30, age
