@@ -666,12 +666,17 @@ def _append_kernel(K, V, KN, VN, POS, skb, skt, skg, svb, svt, svg, G: tl.conste
 
 
 # -- launcher -----------------------------------------------------------------------------------
+def _capability(device) -> tuple[int, int] | None:
+    """The GPU's compute capability; None off a GPU."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+
+
 def _stages(device, dtype: torch.dtype, cmp_tiles: int) -> int:
     """The partial launches' pipeline stages (``PARTIAL_STAGES``) for a cache of ``dtype`` whose plan
     gives a compressed program ``cmp_tiles`` tiles."""
-    dev = torch.device(device)
-    hopper = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
-    deep = hopper and dtype.itemsize == 2 and cmp_tiles >= DEEP_TILES
+    cap = _capability(device)
+    deep = cap is not None and cap[0] == 9 and dtype.itemsize == 2 and cmp_tiles >= DEEP_TILES
     return PARTIAL_STAGES_SM90 if deep else PARTIAL_STAGES
 
 
@@ -679,8 +684,8 @@ def _gdc(device, rows: int) -> int:
     """The kernels' GDC mode (``_grid_dependency``) for a step over ``rows`` = B·G: 0 where
     programmatic dependent launch does not exist (before sm90, the CPU) or ``PDL`` is off; the
     early trigger (2) up to ``EARLY_TRIGGER_ROWS``, the late one (3) above."""
-    dev = torch.device(device)
-    if not PDL or dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (9, 0):
+    cap = _capability(device)
+    if not PDL or cap is None or cap < (9, 0):
         return 0
     return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
@@ -755,7 +760,6 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     # a compressed tile must start on a selection-block boundary (its block sums cover whole blocks)
     BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN1
     n_sm = sm_count(device)
-    gdc = _gdc(device, B * G)
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), triton.cdiv(cfg.n_selected, bpt)
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
@@ -769,7 +773,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, gdc,
+                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
                 *_launch_shape(B * G), n_sm, _stages(device, dtype, ct))
 
 
@@ -821,8 +825,9 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     want = set(branches)
     pdl = dict(GDC=p.gdc, launch_pdl=p.gdc > 0)
     # how the compressed launch splits the tokens held (``_cmp_split``): its kernel, the scorer and the merge agree
+    # (C_CMP: a constexpr of the scorer and the merge, a plain argument of the compressed launch)
     split = dict(CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride, CMP_TILES=p.cmp_tiles,
-                 HALVINGS=p.cmp_tiles.bit_length() - 1, C_CMP=p.C_CMP)
+                 HALVINGS=p.cmp_tiles.bit_length() - 1)
     # what both partial launches take as constexprs (the chunk counts they take as plain arguments)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB,
                   BDV=p.BDV, PREC=precision(q.dtype), STAGES=p.stages, num_warps=PARTIAL_WARPS, **pdl)
@@ -846,8 +851,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
         _cmp_partial_kernel[(BG, p.C_CMP)](
             q, k, v, k_cmp, v_cmp, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn, *qs, *ks, *vs,
             k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-            scale_log2, n_sm, p.C_CMP, p.NC, p.n_tiles, CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride,
-            CMP_TILES=p.cmp_tiles, HALVINGS=split["HALVINGS"], TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, BN=p.BNC,
+            scale_log2, n_sm, p.C_CMP, p.NC, p.n_tiles, **split, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, BN=p.BNC,
             WANT_V="cmp" in want, WRITE_SCORES="sel" in want, APPEND=fused, SUM_RESHAPE=p.sums_by_reshape,
             **common)
     if "sel" in want:
@@ -857,7 +861,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                                         BH=p.BH, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, BLOCK=cfg.block_size,
                                         BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
-                                        IDLE_EXIT=p.gdc == 3, **pdl)
+                                        C_CMP=p.C_CMP, IDLE_EXIT=p.gdc == 3, **pdl)
         top_n(ws.score, pos, ws.idx, cfg, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
@@ -874,7 +878,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
-                         HAS_GATE=gate is not None, num_warps=MERGE_WARPS,
+                         HAS_GATE=gate is not None, num_warps=MERGE_WARPS, C_CMP=p.C_CMP,
                          BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3, **split, **pdl)
     for br in branches:
         dispatch.note(phase, br, "triton")
