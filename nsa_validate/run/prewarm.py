@@ -151,12 +151,12 @@ def order(entries: list[dict]) -> list[dict]:
     return sorted(entries, key=lambda e: e.get("at_s", 0) - e.get("compile_s", 0))
 
 
-def _warm_all(kernels: str, counter: str, locks: str, results: str) -> None:
-    """One warming process: claim the list's next launch, compile it, write a line; until none is left."""
+def _warm_all(entries: list[dict], counter: str, locks: str, results: str) -> None:
+    """One warming process: claim the next of ``entries`` (the list, in ``order``), compile it, write a
+    line; until none is left."""
     from nsa_validate.suite import compile_once, launches
     from nsa_validate.suite.claim import claim
     compile_once.install(locks)
-    entries = order(launches.read(kernels))
     with open(results, "a", buffering=1) as out:
         while (i := claim(counter)) < len(entries):
             e, t = entries[i], time.perf_counter()
@@ -180,7 +180,8 @@ def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> No
     from nsa_validate.suite import launches
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    for module in sorted({e["fn"].partition(":")[0] for e in launches.read(kernels)}):
+    entries = order(launches.read(kernels))          # read once: the forked processes take it with them
+    for module in sorted({e["fn"].partition(":")[0] for e in entries}):
         try:
             importlib.import_module(module)
         except Exception as e:             # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
@@ -200,10 +201,10 @@ def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> No
             print(f"prewarm: {i} warming processes: fork failed ({e})", file=sys.stderr)
             break
         if pid == 0:
-            _child(i, pre, kernels, work, locks, logs)
+            _child(i, pre, entries, work, locks, logs)
         children.append(pid)
     try:
-        _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.0.jsonl")
+        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.0.jsonl")
     except Exception:                      # noqa: BLE001  into its log; the forked ones go on (they die with it)
         import traceback
         traceback.print_exc()
@@ -211,7 +212,7 @@ def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> No
         os.waitpid(pid, 0)
 
 
-def _child(i: int, pre, kernels: str, work: str, locks: str, logs: str) -> None:
+def _child(i: int, pre, entries: list[dict], work: str, locks: str, logs: str) -> None:
     """Forked warming process ``i``: its own log, killed with the process that forked it (``pre``:
     ``orphans.die_with_parent``'s, made before the fork); never returns (``os._exit``: the parent's
     exit handlers are the parent's)."""
@@ -223,7 +224,7 @@ def _child(i: int, pre, kernels: str, work: str, locks: str, logs: str) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        _warm_all(kernels, f"{work}/counter", locks, f"{work}/done.{i}.jsonl")
+        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.{i}.jsonl")
         code = 0
     except BaseException:                  # noqa: BLE001  into its log, then gone like the others
         import traceback

@@ -12,6 +12,7 @@ import torch
 from nsa_validate.paths import REPO_ROOT
 from nsa_validate.run import prewarm
 from nsa_validate.suite import launches
+from tests.harness.test_hostile import _alive, _children
 
 GPU = torch.cuda.is_available()
 
@@ -117,25 +118,11 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
     deadline = time.monotonic() + 60
     while len(list((run / "prewarm").glob("done.*.jsonl"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
-    pids = _group(w.procs[0].pid)
+    pids = [w.procs[0].pid, *_children(w.procs[0].pid)]
     assert len(pids) == 3, pids
     w.summary()
     time.sleep(0.5)
-    assert _group(w.procs[0].pid) == [], "a warming process outlived the run's summary"
-
-
-def _group(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[2]) == pgid and stat[0] != "Z":
-                out.append(int(d))
-    return out
+    assert not [p for p in pids if _alive(p)], "a warming process outlived the run's summary"
 
 
 @pytest.mark.skipif(not GPU, reason="Triton compiles for a GPU only (the interpreter compiles nothing)")
