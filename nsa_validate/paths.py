@@ -11,6 +11,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILE_DIR = REPO_ROOT / "profiles"
 
 
+def kernel_sources() -> list[Path]:
+    """The Triton kernels' source files (``kernels/*.py``), in a fixed order: what a cache keyed on the
+    kernels' code (the kept interpreter probe, the warming's marker) hashes."""
+    return sorted((REPO_ROOT / "kernels").glob("*.py"))
+
+
 def user_cache() -> Path | None:
     """``$XDG_CACHE_HOME/nsa-validate`` (an absolute XDG_CACHE_HOME; else ``~/.cache``); None without a
     home to put it in."""

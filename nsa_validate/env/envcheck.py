@@ -23,7 +23,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from nsa_validate.paths import REPO_ROOT, user_cache
+from nsa_validate.paths import REPO_ROOT, kernel_sources, user_cache
 
 REQUIRED = ("typer", "rich", "pandas", "pytest", "PyYAML", "matplotlib", "packaging")
 # Fallback only, when torch's metadata carries no pin (source/conda builds): torch major.minor ->
@@ -183,7 +183,7 @@ def probe_cache(torch_version: str) -> Path | None:
             st = f.stat()
             parts.append(f"{f.relative_to(tr)}:{st.st_size}:{st.st_mtime_ns}")
         h = hashlib.sha256("|".join(parts).encode())
-        for src in sorted((REPO_ROOT / "kernels").glob("*.py")):
+        for src in kernel_sources():
             h.update(src.read_bytes())
     except OSError:
         return None

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from nsa_validate import orphans
-from nsa_validate.paths import PROFILE_DIR, REPO_ROOT
+from nsa_validate.paths import PROFILE_DIR, REPO_ROOT, kernel_sources
 
 LIST_DIR = PROFILE_DIR / "kernels"
 
@@ -54,7 +54,7 @@ def warm_marker(kernels: Path) -> Path:
     import torch
     import triton
     h = hashlib.sha256(kernels.read_bytes())
-    for src in sorted((REPO_ROOT / "kernels").glob("*.py")):
+    for src in kernel_sources():
         h.update(src.read_bytes())
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     h.update(f"{triton.__version__}|{torch.__version__}|{gpu}".encode())
