@@ -96,8 +96,8 @@ class ConsoleListener(run.Listener):
     """Progress on stderr: on a terminal, a bar per suite with the case running now and an ETA
     from the profile's ``expected_s``; else (a CI log) one plain line per event."""
 
-    def __init__(self, expected_s: dict[str, float]) -> None:
-        self.expected_s = expected_s
+    def __init__(self) -> None:
+        self.expected_s: dict[str, float] = {}
         self.live = err.is_terminal
         self.t0 = time.monotonic()
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -109,6 +109,9 @@ class ConsoleListener(run.Listener):
 
     def line(self, text: str) -> None:
         err.print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", highlight=False, markup=False)
+
+    def profile_resolved(self, profile) -> None:
+        self.expected_s = profile.suites.expected_s
 
     def run_started(self, run_dir: Path) -> None:
         err.print(f"run folder: {run_dir}")

@@ -214,8 +214,9 @@ def _prewarm_line(p: dict | None) -> str:
         return ""
     if p.get("skipped"):
         return f"Kernels not prewarmed from {p['list']}: {p['skipped']}. "
+    began = f", from {p['started_s']} s into the run" if p.get("started_s") is not None else ""
     line = (f"Prewarm: {p['compiled']} of {p['kernels']} launches of {p['list']} compiled (or found compiled) by "
-            f"{p['processes']} processes in {p['wall_s']} s beside the suites")
+            f"{p['processes']} processes in {p['wall_s']} s{began}, before and beside the suites")
     if p.get("failed"):
         line += f"; {p['failed']} failed (first: {p['first_failure']})"
     if p.get("not_reached"):

@@ -77,16 +77,25 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
     ``error: <why>`` and propagates. ``stop``: signal handling the caller installed already (before it
     imported torch: a signal there would be lost); a signal before the run folder exists raises
     KeyboardInterrupt and leaves no folder."""
-    with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
-        return _execute(req, listener or Listener(), stop)
-
-
-def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     t_start, started = time.monotonic(), startup.process_age()
+    # the warming's first process starts now, importing torch and Triton while this one does (``_prewarm``)
+    early = prewarm.Prewarm() if prewarm.may_warm(req.select, req.level) else None
+    try:
+        with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
+            return _execute(req, listener or Listener(), stop, t_start, started, early)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, started: float | None,
+             early: prewarm.Prewarm | None) -> Outcome:
     node = rundir.node_name(req.node)
     prof, device = profiles.resolve(req.profile, req.level)
     check_select(req.select)
     root = rundir.check_out(req.out)
+    warming, warm_note = _prewarm(req, prof, device, t_start, early)
+    listener.profile_resolved(prof)
     rep = envcheck.collect()
     t_env = time.monotonic()
     if req.baseline is not None:       # a baseline from another machine is refused before anything runs
@@ -113,13 +122,12 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
                 "node": node,         # --node (a scheduler's node name), else the host: merge groups runs by it
                 "gpus": {n: i for i, queue in enumerate(shards) for n in queue} if req.n_gpus > 1 else None,
                 "share_gpu": share_gpu, "workers": workers, "select": req.select, "timeout_s": req.timeout,
-                "bytecode": pycache.state()}
+                "bytecode": pycache.state(), **({"prewarm": warm_note} if warm_note else {})}
     if prof.device == "cuda" and device != "cuda":
         manifest["note"] = f"profile {prof.name} asks for a GPU but none is visible: GPU-only cases skip"
     results: dict[str, SuiteResult] = {}
     status = "complete"
     threads: list[threading.Thread] = []
-    warming: prewarm.Prewarm | None = None
     try:
         write_json(run_dir / "manifest.json", manifest)
         listener.run_started(run_dir)
@@ -129,17 +137,17 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
             status = "env-broken"
             listener.env_broken()
         elif not stop.is_set():
-            warming = _prewarm(req, prof, device, run_dir, manifest)
+            locks = warming.locks if warming is not None else run_dir / ".compile"
             with listener.suites_running():
                 threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
-                                      results, listener, stop)
+                                      results, listener, stop, locks)
     except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
         if isinstance(e, SuiteInterrupted):
             results[e.result.name] = e.result
         stop.event.set()
     except OSError as e:
         if warming is not None:
-            warming.summary()          # stops its processes
+            warming.close()            # stops its processes
         mark_failed(run_dir, manifest, e)
         raise
     if stop.is_set():
@@ -152,7 +160,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     manifest["phases_s"] = {**({"start": round(started, 2)} if started is not None else {}),
                             "env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
     if warming is not None:
-        manifest["prewarm"] = warming.summary()
+        manifest["prewarm"] = {**warm_note, **warming.summary(run_dir)}
         manifest["phases_s"]["prewarm"] = manifest["prewarm"]["wall_s"]
     shutil.rmtree(run_dir / ".compile", ignore_errors=True)     # the compile locks (compile_once)
     if share_gpu:                  # who held each GPU when: kept under logs/, and checked
@@ -173,7 +181,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop) -> Outcome:
     return Outcome(run_dir, status, res)
 
 
-def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop):
+def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop,
+                locks):
     """Every suite, on the threads the sharing mode asks for; returns those threads."""
     def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
         for name in queue:
@@ -191,7 +200,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
             ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
                              select=req.select, timeout_s=limit, run_id=manifest["run_id"],
                              commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index),
-                             workers=workers[name], compile_locks=str(run_dir / ".compile"),
+                             workers=workers[name], compile_locks=str(locks),
                              launch_log=str(run_dir / "kernels.jsonl") if device == "cuda" else None)
             results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
             listener.suite_finished(name, where, results[name])
@@ -225,23 +234,28 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
     return threads
 
 
-def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, run_dir: Path,
-             manifest: dict) -> prewarm.Prewarm | None:
+def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: float,
+             early: prewarm.Prewarm | None) -> tuple[prewarm.Prewarm | None, dict]:
     """On a GPU, the profile's launch list compiled on the machine's cores (less one, this process's)
-    while the suites start; not for a ``-k`` selection, which needs a few of its kernels at most, nor
-    where an earlier run compiled the list into this Triton cache (``prewarm.warm_marker``)."""
+    from now, by ``early``'s processes (started when the run was); not for a ``-k`` selection, which
+    needs a few of its kernels at most, nor where an earlier run compiled the list into this Triton
+    cache (``prewarm.warm_marker``). Returns the warming (None: none) and what the manifest says of it."""
     kernels = prewarm.list_for(prof.name, prof.level) if device == "cuda" else None
+    why = None
     if kernels is None:
-        return None
-    if req.select:
-        manifest["prewarm"] = prewarm.Prewarm.skipped(kernels, "-k selects the cases: they compile what they need")
-        return None
-    if prewarm.warm_marker(kernels).exists():
-        manifest["prewarm"] = prewarm.Prewarm.skipped(kernels, "an earlier run compiled the list into this cache")
-        return None
-    from nsa_validate.env import interpret
-    return prewarm.Prewarm(kernels, run_dir, run_dir / ".compile", len(os.sched_getaffinity(0)) - 1,
-                           env=interpret.child_env(device))
+        pass
+    elif req.select:
+        why = "-k selects the cases: they compile what they need"
+    elif prewarm.warm_marker(kernels).exists():
+        why = "an earlier run compiled the list into this cache"
+    elif early is None:
+        why = "no NVIDIA device node (/dev/nvidiactl, /dev/dxg) was seen at the run's start"
+    if kernels is None or why:
+        if early is not None:
+            early.close()
+        return None, prewarm.Prewarm.skipped(kernels, why) if why else {}
+    early.go(kernels, len(os.sched_getaffinity(0)) - 1)
+    return early, {"started_s": round(early.t0 - t_start, 2)}     # from the run's start (before the env check)
 
 
 def _gpu_name(device: str, gpu_index: int | None) -> str | None:

@@ -11,6 +11,9 @@ class Listener:
     """Every method is a no-op here; a caller overrides those it shows. Suite methods may be
     called from several threads at once (suites sharing a GPU run side by side)."""
 
+    def profile_resolved(self, profile) -> None:
+        """``profile``: the run's ``profiles.Profile`` (its expected suite times, for ETAs)."""
+
     def run_started(self, run_dir: Path) -> None:
         """The run folder exists and holds its manifest."""
 

@@ -1,21 +1,24 @@
-"""Compile a run's Triton kernels on all the machine's cores while its suites start.
+"""Compile a run's Triton kernels on all the machine's cores from the run's first moment.
 
 A cold GPU run is bound by Triton's compiler, which is CPU work: each suite process compiles the
 kernels its cases meet one after another, and one case may meet a dozen. A list of the launches a
 run of the same profile and level compiled (``profiles/kernels/<profile>-<level>.jsonl``, a run's
 ``kernels.jsonl`` copied there; ``nsa_validate.suite.launches``) lets processes of their own
-compile them all, those that must start soonest first (``order``), side by side with the suites. They
-take the run's compile locks (``compile_once``) as the suites do, so no kernel is compiled twice:
+compile them all, those that must start soonest first (``order``), while the run checks the
+environment and then side by side with the suites. They take the run's compile locks (``compile_once``) as the suites do, so no kernel is compiled twice:
 a suite that needs a kernel a warming process is compiling waits for it, then finds it in the
 cache; one the list lacks, the suite compiles itself. Nothing a case checks depends on the list.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,25 +64,54 @@ def warm_marker(kernels: Path) -> Path:
     return _triton_cache() / "nsa-validate" / f"prewarmed-{h.hexdigest()[:24]}"
 
 
-class Prewarm:
-    """``processes`` warming processes over ``kernels`` (a launch list); ``summary()`` when the
-    suites are done (it stops what is still running: the suites compiled the rest themselves)."""
+def may_warm(req_select: str | None, level: str) -> bool:
+    """Whether a run may warm, judged before torch is imported (``Prewarm`` starts then): no ``-k``,
+    an NVIDIA device node (Linux's ``/dev/nvidiactl``, WSL's ``/dev/dxg``: a machine without one warms
+    nothing), and a list shipped for the level. The run decides for good once it knows its profile and
+    device (``go`` or ``close``)."""
+    return (req_select is None and any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/dxg"))
+            and any(LIST_DIR.glob(f"*-{level}.jsonl")))
 
-    def __init__(self, kernels: Path, run_dir: Path, locks: Path, processes: int, env: dict | None = None):
-        from nsa_validate.suite import launches
-        self.kernels, self.entries, self.run_dir = kernels, launches.read(kernels), run_dir
-        self.n = len(self.entries)
-        self.work = run_dir / "prewarm"
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.monotonic()         # the warming processes stamp their lines on it (one clock on Linux)
+
+class Prewarm:
+    """A run's warming processes. Made at the run's first instant, it starts the one process that will
+    fork them, which imports torch and Triton (on a cold pod, seconds of reading them from disk) while
+    the run imports them too and resolves its profile, then waits. ``go(kernels, processes)`` hands it a
+    launch list: it forks and they compile. ``summary(run_dir)`` when the suites are done (it stops what
+    is still running: the suites compiled the rest themselves) keeps their logs and lines in the run
+    folder; ``close()`` (always, also where ``go`` never came) stops them and removes their scratch
+    folder (their lines, logs and the compile locks, ``locks``, which the suites take too)."""
+
+    def __init__(self, env: dict | None = None):
+        from nsa_validate.env import interpret
+        self.scratch = Path(tempfile.mkdtemp(prefix="nsa-validate-warm-"))
+        self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
+        for d in (self.work, self.logs, self.locks):
+            d.mkdir()
+        self.kernels: Path | None = None
+        self.entries: list[dict] = []
+        self.n = 0
+        self.t0: float | None = None       # ``go``'s moment: the warming processes stamp their lines on this clock
         self.ended: float | None = None
-        # one process, which forks the others once it has imported what they need (``_serve``); its
-        # session holds them all, so that stopping it stops them
-        cmd = [sys.executable, "-c", _SERVER, str(kernels), str(self.work), str(locks), str(run_dir / "logs"),
-               str(max(1, min(processes, self.n)))]
-        with open(run_dir / "logs" / "prewarm.0.log", "w") as log:
-            self.procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        # its session holds every warming process, so that stopping it stops them all
+        with open(self.logs / "prewarm.0.log", "w") as log:
+            self.procs = [subprocess.Popen([sys.executable, "-c", _SERVER, str(self.work), str(self.locks),
+                                            str(self.logs)], cwd=REPO_ROOT,
+                                           env=env if env is not None else interpret.child_env("cuda"),
+                                           stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True, preexec_fn=orphans.die_with_parent())]
+
+    def go(self, kernels: Path, processes: int) -> None:
+        """Compile ``kernels`` (a launch list) in ``processes`` processes, from now."""
+        from nsa_validate.suite import launches
+        self.kernels, self.entries = kernels, launches.read(kernels)
+        self.n, self.t0 = len(self.entries), time.monotonic()
+        try:
+            self.procs[0].stdin.write(json.dumps({"kernels": str(kernels),
+                                                  "processes": max(1, min(processes, self.n))}).encode() + b"\n")
+            self.procs[0].stdin.close()
+        except OSError:                    # it died before it could be told (its log says why): nothing compiled
+            pass
 
     def poll(self) -> bool:
         """True once every warming process has ended."""
@@ -87,21 +119,34 @@ class Prewarm:
             self.ended = time.monotonic()
         return self.ended is not None
 
+    def _stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            with contextlib.suppress(OSError):
+                if p.stdin:
+                    p.stdin.close()
+        if self.ended is None:
+            self.ended = time.monotonic()
+
+    def close(self) -> None:
+        """Stop every warming process and remove the scratch folder; again, nothing."""
+        self._stop()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
     @staticmethod
     def skipped(kernels: Path, why: str) -> dict:
         return {"list": _shown(kernels), "skipped": why}
 
-    def summary(self) -> dict:
+    def summary(self, run_dir: Path) -> dict:
         """What was compiled: the list, its kernels, how many compiled (or were found compiled),
         failed (the first failure's message) or were not reached, the processes' wall and summed
         seconds, and the launches the suites compiled that the list lacks (``unlisted``). Stops the
-        processes still running."""
+        processes still running; their logs go to ``run_dir/logs``, their lines to ``run_dir/prewarm``."""
         if not self.poll():
-            for p in self.procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-            self.ended = time.monotonic()
+            self._stop()
         done = []
         for f in sorted(self.work.glob("done.*.jsonl")):
             for line in f.read_text(errors="replace").splitlines():
@@ -109,8 +154,14 @@ class Prewarm:
                     done.append(json.loads(line))
                 except ValueError:
                     pass                       # a line cut short by a stopped process
+        with contextlib.suppress(OSError):     # the record of it only (a full disk loses it, not the run)
+            (run_dir / "prewarm").mkdir(exist_ok=True)
+            for f in self.work.glob("done.*.jsonl"):
+                shutil.copyfile(f, run_dir / "prewarm" / f.name)
+            for f in self.logs.glob("prewarm.*.log"):
+                shutil.copyfile(f, run_dir / "logs" / f.name)
         failed = [d for d in done if not d.get("ok")]
-        if len(done) == self.n:            # all of it in the cache now: later runs skip the warming
+        if len(done) == self.n and self.kernels is not None:   # all in the cache now: later runs skip the warming
             marker = warm_marker(self.kernels)
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
@@ -119,13 +170,16 @@ class Prewarm:
                 pass
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
-        wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
-        return {"list": _shown(self.kernels), "kernels": self.n, "processes": len(list(self.work.glob("done.*.jsonl"))),
+        t0 = self.t0 if self.t0 is not None else self.ended
+        wall = last - t0 if last is not None and len(done) == self.n else self.ended - t0
+        n_proc = len(list(self.work.glob("done.*.jsonl")))
+        self.close()
+        return {"list": _shown(self.kernels) if self.kernels else None, "kernels": self.n, "processes": n_proc,
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
                 "wall_s": round(wall, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2),
-                "unlisted": unlisted(self.entries, self.run_dir / "kernels.jsonl")}
+                "unlisted": unlisted(self.entries, run_dir / "kernels.jsonl")}
 
 
 def _shown(path: Path) -> str:
@@ -169,24 +223,35 @@ def _warm_all(entries: list[dict], counter: str, locks: str, results: str) -> No
                                   "end": round(time.monotonic(), 3), "error": error}) + "\n")
 
 
-def _serve(kernels: str, work: str, locks: str, logs: str, processes: str) -> None:
-    """The warming processes: this one imports the list's kernel modules (torch, triton and the
-    kernels) once, then forks the others, so that they start compiling at once rather than each
-    importing them again (on a pod's cold disk ~10 s a process, 15 processes at once beside the
-    suites': docs/decisions.md). Every process takes launches off the list (``_warm_all``) until
-    none is left. Nothing here starts CUDA, which a forked process could not use: the children
-    start it themselves, at their first compile; were it started, this process warms alone."""
+def _serve(work: str, locks: str, logs: str) -> None:
+    """The warming processes: this one imports torch and Triton while the run decides whether to warm,
+    then reads its order on stdin (a JSON line: the list and how many processes; none, end of input:
+    the run does not warm), imports the list's kernel modules and forks the others, so that they start
+    compiling at once rather than each importing it all again (on a pod's cold disk ~10 s a process, 15
+    processes at once beside the suites': docs/decisions.md). Every process takes launches off the list
+    (``_warm_all``) until none is left. Nothing here starts CUDA, which a forked process could not
+    use: the children start it themselves, at their first compile; were it started, this process warms
+    alone."""
     import importlib
-    from nsa_validate.suite import launches
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    entries = order(launches.read(kernels))          # read once: the forked processes take it with them
+    for module in ("torch", "triton"):
+        try:
+            importlib.import_module(module)
+        except Exception as e:             # noqa: BLE001  the kernels' import below reports it again
+            print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    order_ = json.loads(line)
+    from nsa_validate.suite import launches
+    entries = order(launches.read(order_["kernels"]))  # read once: the forked processes take it with them
     for module in sorted({e["fn"].partition(":")[0] for e in entries}):
         try:
             importlib.import_module(module)
         except Exception as e:             # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
             print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
-    n = int(processes)
+    n = int(order_["processes"])
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized() and n > 1:
         print("prewarm: CUDA was started by an import: one warming process, no forks", file=sys.stderr)
@@ -238,4 +303,4 @@ def _child(i: int, pre, entries: list[dict], work: str, locks: str, logs: str) -
 # the warming processes' first (``python -c``: ``-m`` would import this module twice, through its package first).
 # A Ctrl-C is the run's to handle: it stops these processes itself (``summary``); the forked ones inherit the ignore
 _SERVER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-           "from nsa_validate.run.prewarm import _serve; _serve(*sys.argv[1:6])")
+           "from nsa_validate.run.prewarm import _serve; _serve(*sys.argv[1:4])")

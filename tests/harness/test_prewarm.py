@@ -71,11 +71,12 @@ def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     assert not prewarm.warm_marker(listed).exists()
-    w = prewarm.Prewarm(listed, run, run / ".compile", processes=2, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    w = prewarm.Prewarm(env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    w.go(listed, processes=2)
     for p in w.procs:
         p.wait(timeout=120)
     time.sleep(1.5)                 # the suites end later: the warming's wall time ends with its last line
-    s = w.summary()
+    s = w.summary(run)
     assert (s["kernels"], s["processes"], s["compiled"], s["failed"], s["not_reached"], s["unlisted"]) == \
         (3, 2, 0, 3, 0, 0), s
     assert 0 < s["wall_s"] <= time.monotonic() - w.t0 - 1.5, s
@@ -83,6 +84,8 @@ def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_
                                           "kernels.no_such_kernel:k")), s
     assert prewarm.warm_marker(listed).exists()
     assert "importing no_such_module: ModuleNotFoundError" in (run / "logs" / "prewarm.0.log").read_text()
+    assert sorted(p.name for p in (run / "prewarm").iterdir()) == ["done.0.jsonl", "done.1.jsonl"]
+    assert not w.scratch.exists()                         # its lines and logs kept in the run folder, the rest gone
     listed.write_text(listed.read_text() + json.dumps({"fn": "m:e", "args": [], "kwargs": {}}) + "\n")
     assert not prewarm.warm_marker(listed).exists()       # another list: warmed again
 
@@ -101,10 +104,11 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
     (run / "logs").mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(tmp_path / "mods")]),
                TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    w = prewarm.Prewarm(listed, run, run / ".compile", processes=3, env=env)
+    w = prewarm.Prewarm(env=env)
+    w.go(listed, processes=3)
     for p in w.procs:
         p.wait(timeout=120)
-    s = w.summary()
+    s = w.summary(run)
     assert (s["processes"], s["failed"], s["not_reached"]) == (3, 6, 0), s     # k0..k5: no such kernel
     assert len((tmp_path / "imports").read_text().split()) == 1
     assert sorted(p.name for p in (run / "logs").glob("prewarm.*.log")) == [f"prewarm.{i}.log" for i in range(3)]
@@ -114,15 +118,59 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
     listed.write_text("".join(json.dumps({"fn": "probe_slow:k", "args": [i], "kwargs": {}}) + "\n" for i in range(3)))
     run = tmp_path / "run2"
     (run / "logs").mkdir(parents=True)
-    w = prewarm.Prewarm(listed, run, run / ".compile", processes=3, env=env)
+    w = prewarm.Prewarm(env=env)
+    w.go(listed, processes=3)
     deadline = time.monotonic() + 60
-    while len(list((run / "prewarm").glob("done.*.jsonl"))) < 3 and time.monotonic() < deadline:
+    while len(list(w.work.glob("done.*.jsonl"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     pids = [w.procs[0].pid, *_children(w.procs[0].pid)]
     assert len(pids) == 3, pids
-    w.summary()
+    w.summary(run)
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "a warming process outlived the run's summary"
+
+
+class _Seen(prewarm.Prewarm):
+    """A warming whose instances a test can find again (``execute`` makes its own)."""
+    made: list = []
+
+    def __init__(self, env=None):
+        super().__init__(env=env)
+        _Seen.made.append(self)
+
+
+@pytest.mark.parametrize("how", ["no-gpu", "bad-select", "bad-out"])
+def test_a_run_that_does_not_warm_stops_the_early_process_and_leaves_nothing(tmp_path, monkeypatch, how):
+    """The warming's first process starts with the run, before its profile is known; a run that then does
+    not warm (no GPU, here the CPU profile) or stops at a usage error stops it and removes its scratch."""
+    import nsa_validate as nv
+    from nsa_validate.errors import UsageError
+    monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
+    monkeypatch.setattr(prewarm, "Prewarm", _Seen)
+    _Seen.made = []
+    req = nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs"), select="(" if how == "bad-select" else None)
+    if how == "bad-out":
+        (tmp_path / "runs").write_text("a file")
+    if how == "no-gpu":
+        out = nv.run.execute(req)
+        assert "prewarm" not in out.results["manifest"]
+    else:
+        with pytest.raises(UsageError):
+            nv.run.execute(req)
+    (w,) = _Seen.made
+    time.sleep(0.3)
+    assert not _alive(w.procs[0].pid) and not w.scratch.exists()
+
+
+def test_the_early_process_told_nothing_ends_by_itself(tmp_path):
+    """Its orders come on stdin: where they never come (the run ended: its end of the pipe closed) it
+    ends, having imported torch and Triton only."""
+    w = prewarm.Prewarm(env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    w.procs[0].stdin.close()
+    assert w.procs[0].wait(timeout=120) == 0
+    assert not list(w.work.iterdir())
+    w.close()
+    assert not w.scratch.exists()
 
 
 @pytest.mark.skipif(not GPU, reason="Triton compiles for a GPU only (the interpreter compiles nothing)")
@@ -159,6 +207,7 @@ def test_the_report_says_what_the_warming_did():
            "cpu_s": 566.8, "unlisted": 4}
     line = _prewarm_line(ran)
     assert "233 of 235 launches" in line and "15 processes in 73.2 s" in line
+    assert "from 1.4 s into the run" in _prewarm_line({**ran, "started_s": 1.4})
     assert "2 failed (first: kernels.x:k: ImportError)" in line and "compiled 4 launches the list lacks" in line
     assert "an earlier run" in _prewarm_line({"list": "l", "skipped": "an earlier run compiled the list into this cache"})
     assert _prewarm_line(None) == ""
@@ -174,10 +223,11 @@ def test_a_cache_the_marker_cannot_be_written_to_still_gives_a_summary(tmp_path,
     listed.write_text(json.dumps({"fn": "no_such_module:k", "args": [], "kwargs": {}}) + "\n")
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
-    w = prewarm.Prewarm(listed, run, run / ".compile", processes=1, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    w = prewarm.Prewarm(env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    w.go(listed, processes=1)
     for p in w.procs:
         p.wait(timeout=120)
-    s = w.summary()
+    s = w.summary(run)
     assert (s["kernels"], s["failed"]) == (1, 1) and not prewarm.warm_marker(listed).exists()
 
 
