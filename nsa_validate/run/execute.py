@@ -78,8 +78,7 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
     imported torch: a signal there would be lost); a signal before the run folder exists raises
     KeyboardInterrupt and leaves no folder."""
     t_start, started = time.monotonic(), startup.process_age()
-    # the warming's first process starts now, importing torch and Triton while this one does (``_prewarm``)
-    early = prewarm.Prewarm() if prewarm.may_warm(req.select, req.level) else None
+    early = _start_warming(req)
     try:
         with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
             return _execute(req, listener or Listener(), stop, t_start, started, early)
@@ -232,6 +231,18 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
     for fd in starting.values():
         gpu_share.release(fd)
     return threads
+
+
+def _start_warming(req: RunRequest) -> prewarm.Prewarm | None:
+    """The warming's first process, started now, importing torch and Triton while this one does
+    (``_prewarm`` tells it the list later), where the run may warm; None where it may not, or where the
+    process or its scratch folder cannot be made (the suites then compile what they need)."""
+    if not prewarm.may_warm(req.select, req.level):
+        return None
+    try:
+        return prewarm.Prewarm()
+    except OSError:
+        return None
 
 
 def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: float,

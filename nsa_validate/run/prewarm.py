@@ -83,16 +83,23 @@ class Prewarm:
     folder (their lines, logs and the compile locks, ``locks``, which the suites take too)."""
 
     def __init__(self, env: dict | None = None):
-        from nsa_validate.env import interpret
-        self.scratch = Path(tempfile.mkdtemp(prefix="nsa-validate-warm-"))
-        self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
-        for d in (self.work, self.logs, self.locks):
-            d.mkdir()
         self.kernels: Path | None = None
         self.entries: list[dict] = []
         self.n = 0
         self.t0: float | None = None       # ``go``'s moment: the warming processes stamp their lines on this clock
         self.ended: float | None = None
+        self.scratch = Path(tempfile.mkdtemp(prefix="nsa-validate-warm-"))
+        self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
+        try:
+            for d in (self.work, self.logs, self.locks):
+                d.mkdir()
+            self._spawn(env)
+        except OSError:                    # no room for the folder's files or another process: nothing left
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+
+    def _spawn(self, env: dict | None) -> None:
+        from nsa_validate.env import interpret
         # its session holds every warming process, so that stopping it stops them all
         with open(self.logs / "prewarm.0.log", "w") as log:
             self.procs = [subprocess.Popen([sys.executable, "-c", _SERVER, str(self.work), str(self.locks),

@@ -162,6 +162,19 @@ def test_a_run_that_does_not_warm_stops_the_early_process_and_leaves_nothing(tmp
     assert not _alive(w.procs[0].pid) and not w.scratch.exists()
 
 
+def test_a_scratch_folder_that_cannot_be_made_only_skips_the_warming(tmp_path, monkeypatch):
+    """The warming is a head start: where its scratch folder cannot be made (a full disk, here a temp
+    folder under a file) the run goes on without it."""
+    import tempfile
+
+    import nsa_validate as nv
+    monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
+    out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
+    assert out.status == "complete"
+
+
 def test_the_early_process_told_nothing_ends_by_itself(tmp_path):
     """Its orders come on stdin: where they never come (the run ended: its end of the pipe closed) it
     ends, having imported torch and Triton only."""
