@@ -154,8 +154,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
         listener.interrupted(list(dict.fromkeys(stop.signals)))
-    # where the wall time went: the process's start to this run's (Python, the CLI's imports), the environment
-    # check, the suites
+    # where the wall time went: the process's start to this run's (Python, the CLI's imports), the profile's
+    # resolution with the environment check, the suites
     manifest["phases_s"] = {**({"start": round(started, 2)} if started is not None else {}),
                             "env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
     if warming is not None:
@@ -260,7 +260,8 @@ def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: floa
     elif prewarm.warm_marker(kernels).exists():
         why = "an earlier run compiled the list into this cache"
     elif early is None:
-        why = "no NVIDIA device node (/dev/nvidiactl, /dev/dxg) was seen at the run's start"
+        why = ("its process was not started with the run (no NVIDIA device node, /dev/nvidiactl or /dev/dxg, "
+               "or no room for the process)")
     if kernels is None or why:
         if early is not None:
             early.close()

@@ -5,9 +5,10 @@ kernels its cases meet one after another, and one case may meet a dozen. A list 
 run of the same profile and level compiled (``profiles/kernels/<profile>-<level>.jsonl``, a run's
 ``kernels.jsonl`` copied there; ``nsa_validate.suite.launches``) lets processes of their own
 compile them all, those that must start soonest first (``order``), while the run checks the
-environment and then side by side with the suites. They take the run's compile locks (``compile_once``) as the suites do, so no kernel is compiled twice:
-a suite that needs a kernel a warming process is compiling waits for it, then finds it in the
-cache; one the list lacks, the suite compiles itself. Nothing a case checks depends on the list.
+environment and then side by side with the suites. They take the run's compile locks
+(``compile_once``) as the suites do, so no kernel is compiled twice: a suite that needs a kernel a
+warming process is compiling waits for it, then finds it in the cache; one the list lacks, the suite
+compiles itself. Nothing a case checks depends on the list.
 """
 from __future__ import annotations
 
