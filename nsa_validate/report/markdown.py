@@ -198,7 +198,7 @@ def _time_spent(res: dict) -> list[str]:
         return []
     m = res["manifest"].get("phases_s") or {}
     head = ((f"The command's start {m['start']} s, " if "start" in m else "")
-            + (f"the profile's resolution (torch's import) and the environment check {m['env']} s, suites "
+            + (f"the profile's resolution and the environment check {m['env']} s, suites "
                f"{m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
     head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
@@ -216,6 +216,8 @@ def _prewarm_line(p: dict | None) -> str:
     if p.get("skipped"):
         return f"Kernels not prewarmed from {p['list']}: {p['skipped']}. "
     began = f", from {p['started_s']} s into the run" if p.get("started_s") is not None else ""
+    if "compiled" not in p:            # the run ended (killed, a full disk) before the warming's summary
+        return f"Prewarm of {p.get('list')} started{began}; the run ended before its summary. "
     line = (f"Prewarm: {p['compiled']} of {p['kernels']} launches of {p['list']} compiled (or found compiled) by "
             f"{p['processes']} processes in {p['wall_s']} s{began}, before and beside the suites")
     if p.get("failed"):

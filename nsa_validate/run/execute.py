@@ -146,7 +146,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
         stop.event.set()
     except OSError as e:
         if warming is not None:
-            warming.close()            # stops its processes
+            warming.summary(run_dir)   # stops its processes; its record kept where the disk still allows
         mark_failed(run_dir, manifest, e)
         raise
     if stop.is_set():
@@ -267,7 +267,8 @@ def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: floa
             early.close()
         return None, prewarm.Prewarm.skipped(kernels, why) if why else {}
     early.go(kernels, len(os.sched_getaffinity(0)) - 1)
-    return early, {"started_s": round(early.t0 - t_start, 2)}     # from the run's start (before the env check)
+    # from the run's start (before the env check); the summary adds the rest when the suites are done
+    return early, {"list": prewarm.shown(kernels), "started_s": round(early.t0 - t_start, 2)}
 
 
 def _gpu_name(device: str, gpu_index: int | None) -> str | None:

@@ -70,8 +70,22 @@ def may_warm(req_select: str | None, level: str) -> bool:
     an NVIDIA device node (Linux's ``/dev/nvidiactl``, WSL's ``/dev/dxg``: a machine without one warms
     nothing), and a list shipped for the level. The run decides for good once it knows its profile and
     device (``go`` or ``close``)."""
-    return (req_select is None and any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/dxg"))
+    return (not req_select and any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/dxg"))
             and any(LIST_DIR.glob(f"*-{level}.jsonl")))
+
+
+SCRATCH = "nsa-validate-warm-"          # the scratch folders' prefix, then the run's pid
+
+
+def _sweep() -> None:
+    """Remove the scratch folders of runs that are gone (a run killed outright cannot remove its own):
+    those in the temp folder whose pid is no live process (Linux: where /proc cannot tell, none)."""
+    if not Path("/proc/self").exists():
+        return
+    for d in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
+        pid = d.name[len(SCRATCH):].partition("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 class Prewarm:
@@ -89,7 +103,8 @@ class Prewarm:
         self.n = 0
         self.t0: float | None = None       # ``go``'s moment: the warming processes stamp their lines on this clock
         self.ended: float | None = None
-        self.scratch = Path(tempfile.mkdtemp(prefix="nsa-validate-warm-"))
+        _sweep()
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-"))
         self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
         try:
             for d in (self.work, self.logs, self.locks):
@@ -146,7 +161,7 @@ class Prewarm:
 
     @staticmethod
     def skipped(kernels: Path, why: str) -> dict:
-        return {"list": _shown(kernels), "skipped": why}
+        return {"list": shown(kernels), "skipped": why}
 
     def summary(self, run_dir: Path) -> dict:
         """What was compiled: the list, its kernels, how many compiled (or were found compiled),
@@ -182,7 +197,7 @@ class Prewarm:
         wall = last - t0 if last is not None and len(done) == self.n else self.ended - t0
         n_proc = len(list(self.work.glob("done.*.jsonl")))
         self.close()
-        return {"list": _shown(self.kernels) if self.kernels else None, "kernels": self.n, "processes": n_proc,
+        return {"list": shown(self.kernels) if self.kernels else None, "kernels": self.n, "processes": n_proc,
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
@@ -190,7 +205,7 @@ class Prewarm:
                 "unlisted": unlisted(self.entries, run_dir / "kernels.jsonl")}
 
 
-def _shown(path: Path) -> str:
+def shown(path: Path) -> str:
     try:
         return str(path.relative_to(REPO_ROOT))
     except ValueError:

@@ -131,10 +131,12 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
 
 
 class _Seen(prewarm.Prewarm):
-    """A warming whose instances a test can find again (``execute`` makes its own)."""
+    """A warming whose instances (and attempts) a test can find again (``execute`` makes its own)."""
     made: list = []
+    tried = 0
 
     def __init__(self, env=None):
+        _Seen.tried += 1
         super().__init__(env=env)
         _Seen.made.append(self)
 
@@ -169,10 +171,93 @@ def test_a_scratch_folder_that_cannot_be_made_only_skips_the_warming(tmp_path, m
 
     import nsa_validate as nv
     monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
+    monkeypatch.setattr(prewarm, "Prewarm", _Seen)
+    _Seen.made, _Seen.tried = [], 0
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
     out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
-    assert out.status == "complete"
+    assert (_Seen.tried, _Seen.made, out.status) == (1, [], "complete")
+
+
+def _as_on_a_gpu(monkeypatch, tmp_path, listed):
+    """``execute`` taking the CPU profile for a GPU's, with ``listed`` as its launch list (no suite runs:
+    the request names none), so that the warming is told to go."""
+    from nsa_validate.config import profiles
+    resolve = profiles.resolve
+    monkeypatch.setattr(profiles, "resolve", lambda name, level: (resolve(name, level)[0], "cuda"))
+    monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
+    monkeypatch.setattr(prewarm, "list_for", lambda name, level: listed)
+    monkeypatch.setattr(prewarm, "warm_marker", lambda kernels: tmp_path / "no-marker")
+    monkeypatch.setattr(prewarm, "Prewarm", _Seen)
+    _Seen.made, _Seen.tried = [], 0
+
+
+def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, monkeypatch):
+    """Told the list once the run has its profile: the manifest says when it began and what it did, the
+    run folder keeps its lines and logs, and no warming process or scratch folder outlives the run."""
+    import nsa_validate as nv
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("".join(json.dumps({"fn": f"no_such_module:k{i}", "args": [], "kwargs": {}}) + "\n"
+                              for i in range(3)))
+    _as_on_a_gpu(monkeypatch, tmp_path, listed)
+    from nsa_validate.env import envcheck
+    collect = envcheck.collect
+
+    def after_the_warming():             # no suite runs: the run would end, and stop it, at once
+        for p in _Seen.made[0].procs:
+            p.wait(timeout=120)
+        return collect()
+    monkeypatch.setattr(envcheck, "collect", after_the_warming)
+    out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
+    p = out.results["manifest"]["prewarm"]
+    assert p["list"] == str(listed) and p["started_s"] >= 0 and (p["kernels"], p["not_reached"]) == (3, 0), p
+    assert (out.run_dir / "logs" / "prewarm.0.log").is_file() and list((out.run_dir / "prewarm").glob("done.*"))
+    (w,) = _Seen.made
+    assert not _alive(w.procs[0].pid) and not w.scratch.exists()
+
+
+def test_a_usage_error_after_the_warming_began_stops_it(tmp_path, monkeypatch):
+    """A run refused after its warming was told to go (here a baseline from another machine) stops every
+    warming process and removes the scratch folder."""
+    import nsa_validate as nv
+    from nsa_validate.errors import UsageError
+    from nsa_validate.run import compare
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "probe_slow.py").write_text(
+        "import time\nclass Slow:\n    def warmup(self, *args, **kwargs):\n        time.sleep(60)\nk = Slow()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), str(tmp_path / "mods")]))
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("".join(json.dumps({"fn": "probe_slow:k", "args": [i], "kwargs": {}}) + "\n" for i in range(4)))
+    _as_on_a_gpu(monkeypatch, tmp_path, listed)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})     # two warming processes
+
+    def refuse(key, baseline):
+        (w,) = _Seen.made
+        deadline = time.monotonic() + 60
+        while len(list(w.work.glob("done.*.jsonl"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)                  # the warming forked and is compiling (sleeping)
+        refuse.pids = [w.procs[0].pid, *_children(w.procs[0].pid)]
+        raise UsageError("another machine's baseline")
+    monkeypatch.setattr(compare, "check_same_machine", refuse)
+    with pytest.raises(UsageError):
+        nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs"), baseline={}))
+    (w,) = _Seen.made
+    assert len(refuse.pids) >= 2, refuse.pids
+    time.sleep(0.5)
+    assert not [p for p in refuse.pids if _alive(p)] and not w.scratch.exists()
+
+
+def test_scratch_folders_of_runs_that_are_gone_are_swept(tmp_path, monkeypatch):
+    """A run killed outright leaves its scratch folder; the next warming removes those whose run's pid is
+    no live process, never a live run's."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = tmp_path / f"{prewarm.SCRATCH}999999999-abc"
+    live = tmp_path / f"{prewarm.SCRATCH}{os.getpid()}-abc"
+    for d in (gone, live):
+        (d / "locks").mkdir(parents=True)
+    prewarm._sweep()
+    assert not gone.exists() and live.exists()
 
 
 def test_the_early_process_told_nothing_ends_by_itself(tmp_path):
@@ -223,6 +308,8 @@ def test_the_report_says_what_the_warming_did():
     assert "from 1.4 s into the run" in _prewarm_line({**ran, "started_s": 1.4})
     assert "2 failed (first: kernels.x:k: ImportError)" in line and "compiled 4 launches the list lacks" in line
     assert "an earlier run" in _prewarm_line({"list": "l", "skipped": "an earlier run compiled the list into this cache"})
+    # a run killed (or stopped by a full disk) before the summary: the manifest has only its start
+    assert "ended before its summary" in _prewarm_line({"list": "l", "started_s": 0.5})
     assert _prewarm_line(None) == ""
 
 
