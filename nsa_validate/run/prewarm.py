@@ -213,11 +213,12 @@ def shown(path: Path) -> str:
 
 
 def unlisted(entries: list[dict], compiled: Path) -> int:
-    """Launches the run's suites compiled (its ``kernels.jsonl``) that the list's ``entries`` lack:
-    what a stale list costs, the list's owner's cue to copy the run's file over it."""
+    """Launches the run's suites compiled (its ``kernels.jsonl``) that no line of the list's ``entries``
+    compiles (``launches.compile_key``: lines that differ only in integers Triton does not specialise on
+    are one compile): what a stale list costs, the list's owner's cue to copy the run's file over it."""
     from nsa_validate.suite import launches
-    listed = {launches.key(e) for e in entries}
-    return sum(launches.key(e) not in listed for e in launches.read(compiled))
+    listed = {launches.compile_key(e) for e in entries}
+    return sum(launches.compile_key(e) not in listed for e in launches.read(compiled))
 
 
 def order(entries: list[dict]) -> list[dict]:

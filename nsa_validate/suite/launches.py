@@ -154,6 +154,49 @@ def key(entry: dict) -> str:
     return json.dumps({k: entry[k] for k in ("fn", "args", "kwargs")}, sort_keys=True)
 
 
+def compile_key(entry: dict) -> str:
+    """What a line compiles to: ``key`` with each integer argument of a plain (not constexpr) parameter
+    replaced by what Triton specialises it on (1, a multiple of 16, any other; any, where the parameter is
+    ``do_not_specialize``), each such float by its type and a tensor descriptor's shape and strides by the
+    same classes of their integers (its dtype and block shape kept), so that two lines of one compile_key
+    share a compile. ``key`` itself where the kernel does not import."""
+    import inspect
+    try:
+        fn = _function(entry["fn"])
+        # the parameters in order, and which are constexprs (from the Python function: the interpreter's
+        # functions have no ``params``)
+        sig = inspect.signature(fn.fn).parameters
+        order = list(sig)
+        const = {n for n, q in sig.items() if "constexpr" in str(q.annotation)}
+        plain = {order[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", None) or ()}
+    except Exception:                  # noqa: BLE001  a line the code has outgrown
+        return key(entry)
+
+    def integer(v: int) -> str:
+        return "1" if v == 1 else "int%16" if v % 16 == 0 else "int"
+
+    def spec(name: str | None, v):
+        if name is None or name in const or isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return "int" if name in plain else integer(v)
+        if isinstance(v, dict) and "descriptor" in v:
+            return {**v, **{f: [integer(x) for x in v[f]] for f in ("shape", "strides") if f in v}}
+        return "float" if isinstance(v, float) else v
+    args = [spec(order[i] if i < len(order) else None, v) for i, v in enumerate(entry["args"])]
+    kwargs = {k: spec(k, v) for k, v in entry["kwargs"].items()}
+    return json.dumps({"fn": entry["fn"], "args": args, "kwargs": kwargs}, sort_keys=True)
+
+
+def _function(name: str):
+    """``module:qualname`` -> the JIT function."""
+    module, _, qual = name.partition(":")
+    fn = importlib.import_module(module)
+    for part in qual.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
 def read(path) -> list[dict]:
     """The distinct launches of a ``kernels.jsonl``, earliest first (a line cut short by a killed
     writer is skipped)."""
@@ -176,10 +219,7 @@ def read(path) -> list[dict]:
 def warm(entry: dict) -> None:
     """Compile ``entry``'s launch (into Triton's cache) without running it; raises what Triton or
     the import raises when the line no longer fits the code."""
-    module, _, name = entry["fn"].partition(":")
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
+    fn = _function(entry["fn"])
     args = [_decode(a) for a in entry["args"]]
     kwargs = {k: _decode(v) for k, v in entry["kwargs"].items()}
     kernel = fn.warmup(*args, grid=(1,), **kwargs)

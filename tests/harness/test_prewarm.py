@@ -60,6 +60,26 @@ def test_read_keeps_each_launch_once_earliest_first_and_skips_a_cut_line(tmp_pat
     assert prewarm.unlisted(got, other) == 1            # m:d: compiled by the suites, not in the list
 
 
+def test_a_launch_the_list_names_with_other_unspecialised_integers_is_not_unlisted(tmp_path):
+    """The report's count of launches the list lacks is by compile: a stride Triton does not tell apart
+    (64 and 128, both multiples of 16) or a descriptor of another length is the list's compile; a stride
+    of another class (65), a stride of 1 or another constexpr is a compile of its own."""
+    t = {"tensor": "bfloat16", "aligned": True}
+    desc = {"descriptor": "bfloat16", "shape": [8192, 4, 128], "strides": [512, 128, 1], "block_shape": [64, 1, 128]}
+
+    def append(stride, G=4):                 # kernels.decode:_append_kernel(K, V, KN, VN, POS, strides..., G=...)
+        return {"fn": "kernels.decode:_append_kernel", "args": [t, t, t, t, t, stride, 768, 192, stride, 512, 128],
+                "kwargs": {"G": G, "DK": 192, "DV": 128}}
+    listed = [append(64), {"fn": "kernels.scoring:_score_topn_kernel", "args": [desc], "kwargs": {}}]
+    run = tmp_path / "kernels.jsonl"
+    for line, lacked in ((append(128), 0), (append(65), 1), (append(1), 1), (append(64, G=2), 1),
+                         ({"fn": "kernels.scoring:_score_topn_kernel", "args": [{**desc, "shape": [65536, 4, 128]}],
+                           "kwargs": {}}, 0)):
+        run.write_text(json.dumps(line) + "\n")
+        assert prewarm.unlisted(listed, run) == lacked, line
+    assert launches.compile_key(append(64)) != launches.key(append(64))
+
+
 def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_path, monkeypatch):
     """Lines that name no importable kernel fail alone, each reported (the suites compile what they
     need); every line done, the Triton cache gets the marker that lets a later run skip the warming."""
