@@ -58,8 +58,9 @@ MaxRegOpt = typer.Option(compare.DEFAULT_MAX_REGRESSION_PCT, "--max-regression",
                          help="slowdown (%) beyond the sample spread that fails")
 Level = enum.Enum("Level", {n: n for n in profiles.LEVELS}, type=str)   # typer shows the choices
 LevelOpt = typer.Option(Level(profiles.DEFAULT_LEVEL), "--level", case_sensitive=False,
-                        help="quick (~1 min: a parity case per kernel, one decode and one layer row) | "
-                             "standard (every suite and kernel path, ~5 min on an H100) | full (the profile's whole sweep)")
+                        help="quick (a parity case per kernel, one decode and one layer row: ~1 min on a fresh H200 "
+                             "pod, ~25 s warm) | standard (every suite and kernel path: ~1.5 min on an H200 pod, cold) | "
+                             "full (the profile's whole sweep)")
 ShareOpt = typer.Option(None, "--share-gpu/--one-at-a-time",
                         help="run the suites at once on each GPU, parity cases together and every timed case "
                              "alone on it (default on a GPU), or one suite after another")
