@@ -252,9 +252,8 @@ def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: floa
     needs a few of its kernels at most, nor where an earlier run compiled the list into this Triton
     cache (``prewarm.warm_marker``). Returns the warming (None: none) and what the manifest says of it."""
     kernels = prewarm.list_for(prof.name, prof.level) if device == "cuda" else None
-    why = None
     if kernels is None:
-        pass
+        why = None
     elif req.select:
         why = "-k selects the cases: they compile what they need"
     elif prewarm.warm_marker(kernels).exists():
@@ -262,6 +261,8 @@ def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: floa
     elif early is None:
         why = ("its process was not started with the run (no NVIDIA device node, /dev/nvidiactl or /dev/dxg, "
                "or no room for the process)")
+    else:
+        why = None
     if kernels is None or why:
         if early is not None:
             early.close()

@@ -166,12 +166,14 @@ class Prewarm:
     def summary(self, run_dir: Path) -> dict:
         """What was compiled: the list, its kernels, how many compiled (or were found compiled),
         failed (the first failure's message) or were not reached, the processes' wall and summed
-        seconds, and the launches the suites compiled that the list lacks (``unlisted``). Stops the
-        processes still running; their logs go to ``run_dir/logs``, their lines to ``run_dir/prewarm``."""
+        seconds, and the launches the suites compiled that the list lacks (``unlisted``); after ``go``.
+        Stops the processes still running; their logs go to ``run_dir/logs``, their lines to
+        ``run_dir/prewarm``; then ``close``."""
         if not self.poll():
             self._stop()
+        files = sorted(self.work.glob("done.*.jsonl"))       # one a process
         done = []
-        for f in sorted(self.work.glob("done.*.jsonl")):
+        for f in files:
             for line in f.read_text(errors="replace").splitlines():
                 try:
                     done.append(json.loads(line))
@@ -179,12 +181,12 @@ class Prewarm:
                     pass                       # a line cut short by a stopped process
         with contextlib.suppress(OSError):     # the record of it only (a full disk loses it, not the run)
             (run_dir / "prewarm").mkdir(exist_ok=True)
-            for f in self.work.glob("done.*.jsonl"):
+            for f in files:
                 shutil.copyfile(f, run_dir / "prewarm" / f.name)
             for f in self.logs.glob("prewarm.*.log"):
                 shutil.copyfile(f, run_dir / "logs" / f.name)
         failed = [d for d in done if not d.get("ok")]
-        if len(done) == self.n and self.kernels is not None:   # all in the cache now: later runs skip the warming
+        if len(done) == self.n:            # all of it in the cache now: later runs skip the warming
             marker = warm_marker(self.kernels)
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
@@ -193,11 +195,9 @@ class Prewarm:
                 pass
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
-        t0 = self.t0 if self.t0 is not None else self.ended
-        wall = last - t0 if last is not None and len(done) == self.n else self.ended - t0
-        n_proc = len(list(self.work.glob("done.*.jsonl")))
+        wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
         self.close()
-        return {"list": shown(self.kernels) if self.kernels else None, "kernels": self.n, "processes": n_proc,
+        return {"list": shown(self.kernels), "kernels": self.n, "processes": len(files),
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),

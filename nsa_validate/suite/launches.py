@@ -160,15 +160,8 @@ def compile_key(entry: dict) -> str:
     ``do_not_specialize``), each such float by its type and a tensor descriptor's shape and strides by the
     same classes of their integers (its dtype and block shape kept), so that two lines of one compile_key
     share a compile. ``key`` itself where the kernel does not import."""
-    import inspect
     try:
-        fn = _function(entry["fn"])
-        # the parameters in order, and which are constexprs (from the Python function: the interpreter's
-        # functions have no ``params``)
-        sig = inspect.signature(fn.fn).parameters
-        order = list(sig)
-        const = {n for n, q in sig.items() if "constexpr" in str(q.annotation)}
-        plain = {order[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", None) or ()}
+        order, const, plain = _parameters(entry["fn"])
     except Exception:                  # noqa: BLE001  a line the code has outgrown
         return key(entry)
 
@@ -186,6 +179,19 @@ def compile_key(entry: dict) -> str:
     args = [spec(order[i] if i < len(order) else None, v) for i, v in enumerate(entry["args"])]
     kwargs = {k: spec(k, v) for k, v in entry["kwargs"].items()}
     return json.dumps({"fn": entry["fn"], "args": args, "kwargs": kwargs}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(name: str) -> tuple[list[str], set[str], set[str]]:
+    """A JIT function's parameters in order, its constexprs and its ``do_not_specialize`` ones (from the
+    Python function: the interpreter's functions have no ``params``); once a function, not once a line."""
+    import inspect
+    fn = _function(name)
+    sig = inspect.signature(fn.fn).parameters
+    order = list(sig)
+    const = {n for n, q in sig.items() if "constexpr" in str(q.annotation)}
+    plain = {order[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", None) or ()}
+    return order, const, plain
 
 
 def _function(name: str):
