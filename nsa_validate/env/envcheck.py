@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,14 @@ class Finding:
 class EnvReport:
     facts: dict = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    pending: concurrent.futures.Future | None = field(default=None, repr=False)   # ``collect(wait=False)``
+
+    def complete(self) -> "EnvReport":
+        """Wait for PyTorch's own report (``collect(wait=False)`` left it running) and add it to the facts."""
+        if self.pending is not None:
+            self.facts["collect_env"] = self.pending.result()
+            self.pending = None
+        return self
 
     @property
     def verdict(self) -> str:
@@ -341,16 +350,23 @@ def check_flash_attn(torch, tag: str) -> tuple[Finding, dict]:
 
 def _collect_env() -> dict:
     """PyTorch's own environment report (``torch.utils.collect_env``: OS, libc, compilers, CUDA,
-    cuDNN, driver, CPU, the pip and conda package lists), as strings; {"error": …} if it fails."""
+    cuDNN, driver, CPU, the pip and conda package lists), as strings, and the seconds it took
+    (``seconds``); {"error": …} if it fails."""
+    t = time.monotonic()
     try:
         from torch.utils import collect_env
-        return {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v)
+        info = {k: v if isinstance(v, (str, bool, int, float)) or v is None else str(v)
                 for k, v in collect_env.get_env_info()._asdict().items()}
     except Exception as e:  # noqa: BLE001  (a report helper must not break the check)
-        return {"error": f"{type(e).__name__}: {e}"}
+        info = {"error": f"{type(e).__name__}: {e}"}
+    return {**info, "seconds": round(time.monotonic() - t, 2)}
 
 
-def collect() -> EnvReport:
+def collect(wait: bool = True) -> EnvReport:
+    """The environment report. PyTorch's own (``_collect_env``: subprocesses such as ``pip list``, seconds
+    on a pod whose cores the warming keeps busy) runs on a thread beside the checks; ``wait=False``
+    returns without it (the checks' findings and verdict never depend on it): ``EnvReport.complete()``
+    adds it once it is needed, so that a run's suites need not wait for it."""
     rep = EnvReport()
     f = rep.facts
     f["python"] = platform.python_version()
@@ -368,14 +384,14 @@ def collect() -> EnvReport:
         return rep
     f["torch"] = torch.__version__
     f["torch_cuda"] = torch.version.cuda
-    # PyTorch's report runs subprocesses (nvidia-smi, pip list: seconds) beside the checks below
     report = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="collect_env")
-    pending = report.submit(_collect_env)
+    rep.pending = report.submit(_collect_env)
+    report.shutdown(wait=False)        # the thread ends with its one task
     try:
         _checks(rep, torch)
     finally:
-        f["collect_env"] = pending.result()
-        report.shutdown()
+        if wait:
+            rep.complete()
     return rep
 
 

@@ -198,8 +198,10 @@ def _time_spent(res: dict) -> list[str]:
         return []
     m = res["manifest"].get("phases_s") or {}
     head = ((f"The command's start {m['start']} s, " if "start" in m else "")
-            + (f"the profile's resolution and the environment check {m['env']} s, suites "
-               f"{m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
+            + (f"the profile's resolution and the environment check {m['env']} s"
+               + (f" (the profile's, torch's import and the GPU's start among it, {m['profile']} s)"
+                  if "profile" in m else "")
+               + f", suites {m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
     head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
             head + _prewarm_line(res["manifest"].get("prewarm")) +

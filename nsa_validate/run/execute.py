@@ -94,8 +94,9 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
     check_select(req.select)
     root = rundir.check_out(req.out)
     warming, warm_note = _prewarm(req, prof, device, t_start, early)
+    t_profile = time.monotonic()
     listener.profile_resolved(prof)
-    rep = envcheck.collect()
+    rep = envcheck.collect(wait=False)     # PyTorch's own report finishes beside the suites (``complete``)
     t_env = time.monotonic()
     if req.baseline is not None:       # a baseline from another machine is refused before anything runs
         compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, req.select), req.baseline)
@@ -155,9 +156,10 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             th.join(timeout=60)
         listener.interrupted(list(dict.fromkeys(stop.signals)))
     # where the wall time went: the process's start to this run's (Python, the CLI's imports), the profile's
-    # resolution with the environment check, the suites
+    # resolution (torch's import, the GPU's start) with the environment check, of which the profile's, the suites
     manifest["phases_s"] = {**({"start": round(started, 2)} if started is not None else {}),
-                            "env": round(t_env - t_start, 2), "suites": round(time.monotonic() - t_env, 2)}
+                            "env": round(t_env - t_start, 2), "profile": round(t_profile - t_start, 2),
+                            "suites": round(time.monotonic() - t_env, 2)}
     if warming is not None:
         manifest["prewarm"] = {**warm_note, **warming.summary(run_dir)}
         manifest["phases_s"]["prewarm"] = manifest["prewarm"]["wall_s"]
@@ -172,6 +174,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
                                         cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
     results = {n: results[n] for n in names if n in results}
     try:
+        if rep.pending is not None:    # the report env.json was written with, now with PyTorch's own
+            write_json(run_dir / "env.json", rep.complete().to_dict())
         res = finish(run_dir, manifest, rep.to_dict(), prof, results, req.strict, status, req.allowed_skips,
                      req.baseline, req.max_regression)
     except OSError as e:

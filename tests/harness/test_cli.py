@@ -305,6 +305,11 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         assert manifest["status"] == "complete"
         # the command's own start (Python, the CLI's imports) is a phase of its own, before the run's
         assert 0 < manifest["phases_s"]["start"] < 60, manifest["phases_s"]
+        assert 0 < manifest["phases_s"]["profile"] <= manifest["phases_s"]["env"], manifest["phases_s"]
+        # PyTorch's own report, left to finish beside the suites, is in the folder's env.json and results.json
+        ce = json.loads((d / "env.json").read_text())["facts"]["collect_env"]
+        assert "error" not in ce and ce["seconds"] >= 0, ce
+        assert json.loads((d / "results.json").read_text())["env"]["facts"]["collect_env"] == ce
     assert "## Differences vs baseline" in (dirs[1] / "report.md").read_text()
     assert json.loads((dirs[1] / "results.json").read_text())["comparison"]["status"] == "pass"
     import pandas as pd

@@ -86,6 +86,16 @@ def test_collect_runs_here():
     assert rep.facts["torch"] and Path(__file__).exists()
 
 
+def test_collect_can_leave_pytorchs_own_report_to_finish_later():
+    """A run does not wait for ``torch.utils.collect_env`` (its subprocesses take seconds on a busy pod): the
+    checks and the verdict come without it, ``complete()`` adds it."""
+    rep = ec.collect(wait=False)
+    assert rep.verdict in ("ok", "degraded", "broken") and "collect_env" not in rep.facts
+    ce = rep.complete().facts["collect_env"]
+    assert rep.pending is None and "error" not in ce and ce["seconds"] >= 0
+    assert rep.to_dict()["facts"]["collect_env"] is ce
+
+
 def test_interpreter_finding_names_the_probe_error_and_the_fix():
     bad = {"ok": False, "error": "InterpreterError: TypeError('only 0-dimensional arrays')", "triton": "3.6.0"}
     f = ec.check_interpreter(False, bad, triton_pinned_by_torch=True)

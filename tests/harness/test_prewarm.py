@@ -223,10 +223,10 @@ def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, 
     from nsa_validate.env import envcheck
     collect = envcheck.collect
 
-    def after_the_warming():             # no suite runs: the run would end, and stop it, at once
+    def after_the_warming(**kw):         # no suite runs: the run would end, and stop it, at once
         for p in _Seen.made[0].procs:
             p.wait(timeout=120)
-        return collect()
+        return collect(**kw)
     monkeypatch.setattr(envcheck, "collect", after_the_warming)
     out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
     p = out.results["manifest"]["prewarm"]

@@ -141,6 +141,10 @@ def test_where_the_time_went_starts_with_the_commands_own_start():
     del res["manifest"]["phases_s"]["start"]
     text = "\n".join(_time_spent(res))
     assert "The profile's resolution and the environment check 3.25 s, suites 56.35 s (wall)." in text
+    res["manifest"]["phases_s"]["profile"] = 2.5
+    text = "\n".join(_time_spent(res))
+    assert ("The profile's resolution and the environment check 3.25 s (the profile's, torch's import and the "
+            "GPU's start among it, 2.5 s), suites 56.35 s (wall).") in text
 
 
 def test_a_process_knows_how_long_ago_it_started():
