@@ -292,7 +292,10 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
     shortest power-of-two length (from 4096) that ``policy`` routes as it routes ``shape.S``. Triton
     specialises a kernel on dtypes, head dims and launch settings, not on the length, so the timed
     call finds every kernel compiled; a suite runs this beside other suites' parity cases and only
-    the timing alone on the GPU. Nothing to compile on a CPU (the interpreter)."""
+    the timing alone on the GPU. Then each dense layer's forward and forward+backward once at the
+    shape itself: a library kernel's first call on a machine loads it (H200, a fresh pod's first
+    ``oneshot --level quick``: SDPA's at 64k took 0.8 s and 1.3 s longer inside the timed case than
+    on a second run). Nothing to compile on a CPU (the interpreter)."""
     if device != "cuda":
         return
     query = dict(cfg=shape.config(), device=torch.device(device), dtype=DTYPES[shape.dtype])
@@ -304,7 +307,17 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
     with torch.no_grad():
         m(x)
     _fwd_bwd(m, x, torch.randn_like(x))()
+    del m, x
+    x = torch.randn(shape.B, shape.S, shape.d_model, device=device, dtype=DTYPES[shape.dtype])
+    for spec in dense_layers(shape, device).values():
+        with torch.device(device):
+            d = spec.make(shape).to(dtype=x.dtype)
+        with torch.no_grad():
+            d(x)
+        _fwd_bwd(d, x, torch.randn_like(x))()
+        del d
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,
