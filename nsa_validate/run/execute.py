@@ -287,7 +287,7 @@ def _prewarm(req: RunRequest, prof: profiles.Profile, device: str, t_start: floa
         if early is not None:
             early.close()
         return None, prewarm.Prewarm.skipped(kernels, why) if why else {}
-    early.go(kernels, len(os.sched_getaffinity(0)) - 1, prewarm.target())
+    early.go(kernels, len(os.sched_getaffinity(0)) - 1)
     # from the run's start (before the env check); the summary adds the rest when the suites are done
     return early, {"list": prewarm.shown(kernels), "started_s": round(early.t0 - t_start, 2)}
 

@@ -124,14 +124,13 @@ class Prewarm:
                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True, preexec_fn=orphans.die_with_parent())]
 
-    def go(self, kernels: Path, processes: int, target: dict | None = None) -> None:
-        """Compile ``kernels`` (a launch list) in ``processes`` processes, from now, for ``target``
-        (``target()``: then they start no CUDA; None: each finds it out, starting CUDA)."""
+    def go(self, kernels: Path, processes: int) -> None:
+        """Compile ``kernels`` (a launch list) in ``processes`` processes, from now."""
         from nsa_validate.suite import launches
         self.kernels, self.entries = kernels, launches.read(kernels)
         self.n, self.t0 = len(self.entries), time.monotonic()
         try:
-            self.procs[0].stdin.write(json.dumps({"kernels": str(kernels), "target": target,
+            self.procs[0].stdin.write(json.dumps({"kernels": str(kernels),
                                                   "processes": max(1, min(processes, self.n))}).encode() + b"\n")
             self.procs[0].stdin.close()
         except OSError:                    # it died before it could be told (its log says why): nothing compiled
@@ -230,83 +229,9 @@ def order(entries: list[dict]) -> list[dict]:
     return sorted(entries, key=lambda e: e.get("at_s", 0) - e.get("compile_s", 0))
 
 
-def target() -> dict | None:
-    """What Triton compiles for on this process's GPU, as its CUDA driver names it (``get_current_target``:
-    "cuda", the capability's major·10 + minor, warp size 32), read through torch (Triton need not be
-    imported yet), for ``go``; None off NVIDIA's CUDA."""
-    import torch
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return {"backend": "cuda", "arch": major * 10 + minor, "warp_size": 32}
-
-
-class _Aimed:
-    """Triton's active driver, told the run's target: compiling for it starts no CUDA. Each warming
-    process used to start its own on its first compile, seconds of CPU on a pod's busy cores (H200:
-    a process's first compile took 5-6 s, the same kernel later ~1 s) and a context's memory."""
-
-    def __init__(self, target):
-        self._target = target
-
-    def get_current_target(self):
-        return self._target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def __getattr__(self, name):            # the rest (the launcher's class, …) from the driver itself
-        from triton.runtime import driver
-        return getattr(driver.default, name)
-
-
-def _aim(target: dict | None) -> bool:
-    """Compile for ``target`` from now on in this process and those it forks (``_Aimed``); False (a
-    line in the log) where this Triton cannot be told: each process then starts CUDA as before."""
-    if not target:
-        return False
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.runtime import driver
-        driver.set_active(_Aimed(GPUTarget(target["backend"], target["arch"], target["warp_size"])))
-        return True
-    except Exception as e:                 # noqa: BLE001
-        print(f"prewarm: cannot compile for the run's target ({type(e).__name__}: {e}): each process starts CUDA",
-              file=sys.stderr)
-        return False
-
-
-def _set_up_triton() -> None:
-    """Compile a kernel of a few lines for the target ``_aim`` set and make Triton's CUDA driver: what Triton
-    does once a process (hashing its own library for its cache keys, loading its backend, asking ptxas its
-    version, building its CUDA helpers), done once before the fork rather than in each warming process
-    (H200: a process's first compile took 5-6 s, the same kernel later ~1 s). A failure is only logged:
-    each process then does it itself."""
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.runtime import driver
-    try:
-        @triton.jit
-        def _set_up_kernel(x, n, BLOCK: tl.constexpr):
-            o = tl.arange(0, BLOCK)
-            tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)
-        from nsa_validate.suite.launches import _Pointer
-        _set_up_kernel.warmup(_Pointer(torch.float32, True), 16, BLOCK=16, grid=(1,))
-    except Exception as e:         # noqa: BLE001
-        print(f"prewarm: compiling the set-up kernel before the fork: {type(e).__name__}: {e}", file=sys.stderr)
-    try:
-        driver.default             # noqa: B018  made here (its helpers built once), not in each process
-    except Exception as e:         # noqa: BLE001  (no GPU driver: a CPU's test)
-        print(f"prewarm: making Triton's GPU driver before the fork: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-def _warm_all(entries: list[dict], counter: str, locks: str, results: str, load: bool = True) -> None:
-    """One warming process: claim the next of ``entries`` (the list, in ``order``), compile it (``load``:
-    load it on the GPU too, ``launches.warm``), write a line; until none is left."""
+def _warm_all(entries: list[dict], counter: str, locks: str, results: str) -> None:
+    """One warming process: claim the next of ``entries`` (the list, in ``order``), compile it, write a
+    line; until none is left."""
     from nsa_validate.suite import compile_once, launches
     from nsa_validate.suite.claim import claim
     compile_once.install(locks)
@@ -314,7 +239,7 @@ def _warm_all(entries: list[dict], counter: str, locks: str, results: str, load:
         while (i := claim(counter)) < len(entries):
             e, t = entries[i], time.perf_counter()
             try:
-                launches.warm(e, load)
+                launches.warm(e)
                 ok, error = True, None
             except Exception as ex:        # noqa: BLE001  a line the code has outgrown: the suite compiles it
                 ok, error = False, f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}"
@@ -329,9 +254,8 @@ def _serve(work: str, locks: str, logs: str) -> None:
     compiling at once rather than each importing it all again (on a pod's cold disk ~10 s a process, 15
     processes at once beside the suites': docs/decisions.md). Every process takes launches off the list
     (``_warm_all``) until none is left. Nothing here starts CUDA, which a forked process could not
-    use: told the run's target (``_aim``), no process needs it, and this one sets Triton up before it
-    forks (``_set_up_triton``), so that what Triton does once a process is done once; else the children
-    start it themselves, at their first compile. Were it started, this process warms alone."""
+    use: the children start it themselves, at their first compile; were it started, this process warms
+    alone."""
     import importlib
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -352,13 +276,9 @@ def _serve(work: str, locks: str, logs: str) -> None:
         except Exception as e:             # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
             print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
     n = int(order_["processes"])
-    aimed = _aim(order_.get("target"))
-    if aimed:
-        _set_up_triton()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized() and n > 1:
-        print("prewarm: CUDA was started by an import or the first compile: one warming process, no forks",
-              file=sys.stderr)
+        print("prewarm: CUDA was started by an import: one warming process, no forks", file=sys.stderr)
         n = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -370,10 +290,10 @@ def _serve(work: str, locks: str, logs: str) -> None:
             print(f"prewarm: {i} warming processes: fork failed ({e})", file=sys.stderr)
             break
         if pid == 0:
-            _child(i, pre, entries, work, locks, logs, not aimed)
+            _child(i, pre, entries, work, locks, logs)
         children.append(pid)
     try:
-        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.0.jsonl", not aimed)
+        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.0.jsonl")
     except Exception:                      # noqa: BLE001  into its log; the forked ones go on (they die with it)
         import traceback
         traceback.print_exc()
@@ -381,7 +301,7 @@ def _serve(work: str, locks: str, logs: str) -> None:
         os.waitpid(pid, 0)
 
 
-def _child(i: int, pre, entries: list[dict], work: str, locks: str, logs: str, load: bool) -> None:
+def _child(i: int, pre, entries: list[dict], work: str, locks: str, logs: str) -> None:
     """Forked warming process ``i``: its own log, killed with the process that forked it (``pre``:
     ``orphans.die_with_parent``'s, made before the fork); never returns (``os._exit``: the parent's
     exit handlers are the parent's)."""
@@ -393,7 +313,7 @@ def _child(i: int, pre, entries: list[dict], work: str, locks: str, logs: str, l
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.{i}.jsonl", load)
+        _warm_all(entries, f"{work}/counter", locks, f"{work}/done.{i}.jsonl")
         code = 0
     except BaseException:                  # noqa: BLE001  into its log, then gone like the others
         import traceback

@@ -222,26 +222,15 @@ def read(path) -> list[dict]:
     return sorted(out.values(), key=lambda e: e.get("at_s", 0))
 
 
-def warm(entry: dict, load: bool = True) -> None:
+def warm(entry: dict) -> None:
     """Compile ``entry``'s launch (into Triton's cache) without running it; raises what Triton or
-    the import raises when the line no longer fits the code. Then what the first real launch would
-    do next: build the kernel's launcher (per signature on some Tritons: a C stub, gcc's seconds,
-    kept in the cache too) and, with ``load``, load the kernel on this process's GPU; without it,
-    no CUDA is needed (``prewarm``: the target comes from the run). A Triton without these built
-    them already or does not need to."""
+    the import raises when the line no longer fits the code."""
     fn = _function(entry["fn"])
     args = [_decode(a) for a in entry["args"]]
     kwargs = {k: _decode(v) for k, v in entry["kwargs"].items()}
     kernel = fn.warmup(*args, grid=(1,), **kwargs)
-    if load:
-        init = getattr(kernel, "_init_handles", None)
-        if callable(init):
-            init()
-        return
-    from triton.runtime import driver
-    try:
-        launcher = driver.active.launcher_cls
-    except Exception:                  # noqa: BLE001  no GPU driver here (a CPU's test): the first launch builds it
-        return
-    if hasattr(kernel, "src") and hasattr(kernel, "metadata"):
-        launcher(kernel.src, kernel.metadata)
+    # the launcher (a C stub Triton builds per signature, gcc's seconds) and the module's load: what the
+    # first real launch would do next; a Triton without them built them already or does not need to
+    init = getattr(kernel, "_init_handles", None)
+    if callable(init):
+        init()

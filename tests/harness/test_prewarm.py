@@ -291,31 +291,6 @@ def test_the_early_process_told_nothing_ends_by_itself(tmp_path):
     assert not w.scratch.exists()
 
 
-def test_told_the_target_the_warming_compiles_without_cuda(tmp_path):
-    """Given the run's target (``Prewarm.go``), the warming compiles real kernels of the shipped list for it with no
-    GPU and no CUDA (this test runs on a CPU too: sm90, Triton's own ptxas), Triton set up before the fork (a
-    kernel of its own compiled first)."""
-    shipped = launches.read(REPO_ROOT / "profiles" / "kernels" / "sm90-quick.jsonl")
-    small = [e for e in shipped if e["fn"].endswith(("_seek_kernel", "_advance_kernel"))]
-    two = [small[0], next(e for e in small if e["fn"] != small[0]["fn"])]
-    listed = tmp_path / "list.jsonl"
-    listed.write_text("".join(json.dumps({**e, "at_s": i, "compile_s": 0}) + "\n" for i, e in enumerate(two)))
-    run = tmp_path / "run"
-    (run / "logs").mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("TRITON_INTERPRET", None)
-    w = prewarm.Prewarm(env=env)
-    w.go(listed, processes=2, target={"backend": "cuda", "arch": 90, "warp_size": 32})
-    for p in w.procs:
-        p.wait(timeout=300)
-    s = w.summary(run)
-    log = (run / "logs" / "prewarm.0.log").read_text()
-    assert (s["kernels"], s["compiled"], s["failed"]) == (2, 2, 0), (s, log)
-    assert "set-up kernel" not in log, log
-    cubins = sorted(p.stem for p in (tmp_path / "cache").rglob("*.cubin"))
-    assert cubins == sorted(["_set_up_kernel", *(e["fn"].partition(":")[2] for e in two)]), cubins
-
-
 @pytest.mark.skipif(not GPU, reason="Triton compiles for a GPU only (the interpreter compiles nothing)")
 def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
     """A process records a real kernel launch; another, on a fresh Triton cache, compiles the line
@@ -341,17 +316,6 @@ def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
     subprocess.run([sys.executable, "-c", launch], env=env, check=True, cwd=REPO_ROOT)
     assert sorted(p for p in (tmp_path / "cache").rglob("*") if p.is_file()) == files, (
         "the launch compiled again (kernel or launcher)")
-    # the same, compiled for the target the run names (as the warming is told it), starting no CUDA
-    aimed = dict(env, TRITON_CACHE_DIR=str(tmp_path / "aimed"))
-    target = json.dumps(prewarm.target())
-    subprocess.run([sys.executable, "-c", "import json, torch\nfrom nsa_validate.run import prewarm\n"
-                    f"assert prewarm._aim(json.loads({target!r}))\n"
-                    f"from nsa_validate.suite import launches\nlaunches.warm(json.loads({json.dumps(entry)!r}), False)\n"
-                    "assert not torch.cuda.is_initialized()\n"], env=aimed, check=True, cwd=REPO_ROOT)
-    files = sorted(p for p in (tmp_path / "aimed").rglob("*") if p.is_file())
-    subprocess.run([sys.executable, "-c", launch], env=aimed, check=True, cwd=REPO_ROOT)
-    assert sorted(p for p in (tmp_path / "aimed").rglob("*") if p.is_file()) == files, (
-        "the launch compiled again after the aimed warming (kernel or launcher)")
 
 
 def test_the_report_says_what_the_warming_did():
