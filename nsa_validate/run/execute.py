@@ -138,7 +138,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             listener.env_broken()
         elif not stop.is_set():
             locks = warming.locks if warming is not None else run_dir / ".compile"
-            _preload_reporting()
+            _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
             with listener.suites_running():
                 threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
                                       results, listener, stop, locks)
@@ -238,16 +238,18 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
     return threads
 
 
-def _preload_reporting() -> None:
-    """Import what the suites' summaries and the report need once the suites are done (pandas; matplotlib
-    with its Agg backend, whose first import on a fresh machine builds its font cache) on a thread while
-    they run, when this process only waits: not after them, when the run's end waits for it."""
+def _preload_reporting(plots: bool) -> None:
+    """Import what the report and the suites' summaries need once the suites are done (pandas; with
+    ``plots``, a summary's, matplotlib with its Agg backend, whose first import on a fresh machine builds
+    its font cache) on a thread while they run, when this process only waits: not after them, when the
+    run's end waits for it."""
     def load() -> None:
         try:
             import pandas  # noqa: F401
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot  # noqa: F401
+            if plots:
+                import matplotlib
+                matplotlib.use("Agg")
+                import matplotlib.pyplot  # noqa: F401
         except Exception:  # noqa: BLE001  the summary that needs it reports it
             pass
     threading.Thread(target=load, name="preload-reporting", daemon=True).start()
