@@ -204,11 +204,21 @@ def _time_spent(res: dict) -> list[str]:
                + f", suites {m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
     head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
-            head + _prewarm_line(res["manifest"].get("prewarm")) +
+            head + _prewarm_line(res["manifest"].get("prewarm")) + _alone_line(res["manifest"].get("gpu_alone_s")) +
             "Per suite, its cases' seconds: compiling Triton kernels (cache hits and waits for a kernel another "
             "process was compiling included), the fp32 oracle, timed benches, and the rest of each case. Beyond "
             "its cases, a suite's wall time is its processes starting (imports, collection).", "",
             md_table(rows), ""]
+
+
+def _alone_line(held: dict | None) -> str:
+    """The timed cases that held the GPU alone (``gpu_share.alone``), their seconds and the longest three."""
+    if not held:
+        return ""
+    top = sorted(held.items(), key=lambda kv: -kv[1])[:3]
+    name = lambda nodeid: nodeid.split("/")[-1].replace(".py::test_", " ").removeprefix("test_")  # noqa: E731
+    return (f"Timed cases alone on the GPU, nothing else on it: {round(sum(held.values()), 2)} s "
+            f"({', '.join(f'{name(k)} {v} s' for k, v in top)}{', …' if len(held) > 3 else ''}). ")
 
 
 def _prewarm_line(p: dict | None) -> str:

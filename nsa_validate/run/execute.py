@@ -169,6 +169,10 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
         bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
         if bad:
             listener.shared_gpu_overlaps(bad)
+        held = gpu_share.alone(run_dir)          # the timed cases, each alone on its GPU: a run's last stretch
+        if held:
+            manifest["gpu_alone_s"] = held
+            manifest["phases_s"]["alone"] = round(sum(held.values()), 2)
     for name in names:
         if name not in results and status != "env-broken":
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",

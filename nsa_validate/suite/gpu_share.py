@@ -79,6 +79,21 @@ def started(path: str) -> int:
     return len(glob.glob(glob.escape(path) + ".started-*"))
 
 
+def alone(run_dir: Path) -> dict[str, float]:
+    """The cases that held a GPU alone, from the run's kept hold logs (``collect``): the case's node id →
+    seconds, summed over GPUs."""
+    out: dict[str, float] = {}
+    for log in sorted((Path(run_dir) / "logs").glob("gpu*_share.jsonl")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                h = json.loads(line)
+            except ValueError:                  # a line cut short by a killed process
+                continue
+            if h.get("exclusive"):
+                out[h["what"]] = round(out.get(h["what"], 0.0) + h["t1"] - h["t0"], 2)
+    return out
+
+
 def collect(run_dir: Path) -> list[str]:
     """After the run: each GPU's hold log kept as ``logs/gpuN_share.jsonl``, the lock and start
     files removed; returns the exclusive holds that overlapped another, across GPUs."""

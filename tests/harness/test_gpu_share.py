@@ -58,3 +58,8 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     assert [h for h in held if h["what"] == "suites/test_fa2.py::test_bench[cmp-S256]"][0]["exclusive"]
     assert not any("not-in-profile" in w for w in what), what
     assert gpu_share.overlaps(str(run / "logs" / "gpu0_share.jsonl")) == []
+    # the cases that held it alone, in the manifest (the report's "Where the time went" names the longest)
+    manifest = json.loads((run / "manifest.json").read_text())
+    alone = {h["what"]: h["t1"] - h["t0"] for h in held if h["exclusive"]}
+    assert set(manifest["gpu_alone_s"]) == set(alone) and manifest["phases_s"]["alone"] >= 0, manifest
+    assert "Timed cases alone on the GPU, nothing else on it:" in (run / "report.md").read_text()

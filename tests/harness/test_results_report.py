@@ -147,6 +147,19 @@ def test_where_the_time_went_starts_with_the_commands_own_start():
             "GPU's start among it, 2.5 s), suites 56.35 s (wall).") in text
 
 
+def test_where_the_time_went_names_the_timed_cases_that_held_the_gpu_alone():
+    from nsa_validate.report.markdown import _time_spent
+    held = {"suites/test_layer.py::test_bench[B1-S65536]": 4.43, "suites/test_layer.py::test_needle": 0.73,
+            "suites/test_decode.py::test_bench[B16-S65536]": 4.22, "suites/test_fa2.py::test_bench[cmp-S4096]": 0.1}
+    res = {"manifest": {"phases_s": {"env": 3.0, "suites": 50.0}, "gpu_alone_s": held},
+           "suites": {"decode": {"duration_s": 40.0, "phases_s": {"run": 30.0}}}}
+    text = "\n".join(_time_spent(res))
+    assert ("Timed cases alone on the GPU, nothing else on it: 9.48 s (layer bench[B1-S65536] 4.43 s, decode "
+            "bench[B16-S65536] 4.22 s, layer needle 0.73 s, …).") in text, text
+    del res["manifest"]["gpu_alone_s"]
+    assert "alone on the GPU" not in "\n".join(_time_spent(res))
+
+
 def test_a_process_knows_how_long_ago_it_started():
     """``startup.process_age``: the seconds since the process started, Python's own start included."""
     import subprocess
