@@ -192,6 +192,7 @@ def _time_spent(res: dict) -> list[str]:
     a suite's processes: with several, they can add up to more than its wall time)."""
     workers = res["manifest"].get("workers") or {}
     rows = [{"suite": n, "wall (s)": s["duration_s"], "processes": workers.get(n, 1),
+             "start-up (s)": s.get("startup_s"),
              **{f"{k} (s)": s["phases_s"].get(k) for k in ("compile", "oracle", "bench", "run")}}
             for n, s in res["suites"].items() if s.get("phases_s")]
     if not rows:
@@ -205,9 +206,9 @@ def _time_spent(res: dict) -> list[str]:
     head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
             head + _prewarm_line(res["manifest"].get("prewarm")) + _alone_line(res["manifest"].get("gpu_alone_s")) +
-            "Per suite, its cases' seconds: compiling Triton kernels (cache hits and waits for a kernel another "
-            "process was compiling included), the fp32 oracle, timed benches, and the rest of each case. Beyond "
-            "its cases, a suite's wall time is its processes starting (imports, collection).", "",
+            "Per suite, its slowest process's start-up (Python and the imports to the cases' collection), then its "
+            "cases' seconds: compiling Triton kernels (cache hits and waits for a kernel another "
+            "process was compiling included), the fp32 oracle, timed benches, and the rest of each case.", "",
             md_table(rows), ""]
 
 

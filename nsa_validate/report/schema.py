@@ -63,6 +63,7 @@ class SuiteResult:
     log: str = ""
     returncode: int | None = None
     extra: dict = field(default_factory=dict)        # suite-level tables (bench rows, summaries)
+    startup_s: float | None = None                   # its slowest process's start-up: imports, collection
 
     @property
     def counts(self) -> dict[str, int]:

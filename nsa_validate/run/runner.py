@@ -68,6 +68,25 @@ def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, 
     return collected, cases, running
 
 
+def startup_s(path: Path) -> float | None:
+    """The slowest of a suite's processes to start (from its start to its cases' collection: Python, the
+    imports, the collection), from the ``ready_s`` of the collection lines in its records; None where
+    none says (a process that never collected, or a platform without the process's age)."""
+    ready = []
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and "collected" in d and isinstance(d.get("ready_s"), (int, float)):
+            ready.append(float(d["ready_s"]))
+    return round(max(ready), 2) if ready else None
+
+
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
               on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
               should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
@@ -177,7 +196,8 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
             problem = problem or "summary failed"
         extra = merged(extra, summary.data)
     return SuiteResult(name, suite_status(cases, problem), duration_s, cases, reason=problem,
-                       log=f"logs/{name}.log", returncode=returncode, extra=extra)
+                       log=f"logs/{name}.log", returncode=returncode, extra=extra,
+                       startup_s=startup_s(run_dir / "suites" / f"{name}.records.jsonl"))
 
 
 class SuiteInterrupted(KeyboardInterrupt):

@@ -314,7 +314,9 @@ def pytest_collection_finish(session) -> None:
         cs = getattr(i, "callspec", None)
         if cs is not None and i.nodeid not in _PLACEHOLDERS:
             _PARAMS[i.nodeid] = {k: _plain(v) for k, v in cs.params.items()}
-    _emit(session.config, {"collected": len(session.items)})
+    from nsa_validate import startup
+    # with the process's age now: its start-up (Python, torch, the suite's imports, the collection), for the report
+    _emit(session.config, {"collected": len(session.items), "ready_s": startup.process_age()})
 
 
 def _reason(report) -> str:

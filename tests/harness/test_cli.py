@@ -310,6 +310,9 @@ def test_two_oneshot_runs_pass_and_write_two_folders(tmp_path):
         ce = json.loads((d / "env.json").read_text())["facts"]["collect_env"]
         assert "error" not in ce and ce["seconds"] >= 0, ce
         assert json.loads((d / "results.json").read_text())["env"]["facts"]["collect_env"] == ce
+        # each suite's slowest process's start-up (its start to its cases' collection), on Linux
+        starts = {n: s["startup_s"] for n, s in json.loads((d / "results.json").read_text())["suites"].items()}
+        assert all(v is not None and 0 < v < 120 for v in starts.values()) or not sys.platform.startswith("linux"), starts
     assert "## Differences vs baseline" in (dirs[1] / "report.md").read_text()
     assert json.loads((dirs[1] / "results.json").read_text())["comparison"]["status"] == "pass"
     import pandas as pd

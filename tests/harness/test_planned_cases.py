@@ -2,6 +2,7 @@
 the flags: a module that exits while it is imported, or a process that ends mid-run, leaves a suite
 error naming its log, never a "skip"."""
 import shutil
+import sys
 
 import pytest
 
@@ -58,6 +59,20 @@ def test_a_suite_process_leaves_with_pytests_status_and_its_report_but_no_shutdo
     assert r.returncode == 1 and [c.status for c in r.cases] == ["pass", "fail"], r
     assert "1 failed, 1 passed" in (run_dir / "logs" / "planted.log").read_text()
     assert not mark.exists()
+    # its start-up, Python's start to the cases' collection, as the process itself counted it
+    assert r.startup_s is not None and 0 < r.startup_s < r.duration_s or not sys.platform.startswith("linux"), r
+
+
+def test_a_suites_start_up_is_its_slowest_process(tmp_path):
+    """``runner.startup_s``: the largest ``ready_s`` of the collection lines; none said, None."""
+    from nsa_validate.run.runner import startup_s
+    rec = tmp_path / "s.records.jsonl"
+    assert startup_s(rec) is None
+    rec.write_text('{"collected": 3, "ready_s": 4.2}\n{"running": "a"}\n{"collected": 3, "ready_s": 5.01}\n'
+                   '{"collected": 3, "ready_s": null}\n{"collec')
+    assert startup_s(rec) == 5.01
+    rec.write_text('{"collected": 3}\n')
+    assert startup_s(rec) is None
 
 
 def test_a_suite_process_that_ends_otherwise_still_says_why_in_its_log(tmp_path):

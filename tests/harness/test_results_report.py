@@ -134,8 +134,9 @@ def test_where_the_time_went_starts_with_the_commands_own_start():
     the run began), the environment check and the suites; a run folder without the start says the rest."""
     from nsa_validate.report.markdown import _time_spent
     res = {"manifest": {"phases_s": {"start": 7.9, "env": 3.25, "suites": 56.35}},
-           "suites": {"decode": {"duration_s": 53.4, "phases_s": {"compile": 20.0, "run": 30.0}}}}
+           "suites": {"decode": {"duration_s": 53.4, "startup_s": 4.71, "phases_s": {"compile": 20.0, "run": 30.0}}}}
     text = "\n".join(_time_spent(res))
+    assert "| suite | wall (s) | processes | start-up (s) | compile (s) |" in text and "| decode | 53.4 | 1 | 4.71 | 20 |" in text, text
     assert ("The command's start 7.9 s, the profile's resolution and the environment check 3.25 s, "
             "suites 56.35 s (wall).") in text
     del res["manifest"]["phases_s"]["start"]
