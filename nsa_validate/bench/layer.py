@@ -292,10 +292,11 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
     shortest power-of-two length (from 4096) that ``policy`` routes as it routes ``shape.S``. Triton
     specialises a kernel on dtypes, head dims and launch settings, not on the length, so the timed
     call finds every kernel compiled; a suite runs this beside other suites' parity cases and only
-    the timing alone on the GPU. Then each dense layer's forward and forward+backward once at the
-    shape itself: a library kernel's first call on a machine loads it (H200, a fresh pod's first
-    ``oneshot --level quick``: SDPA's at 64k took 0.8 s and 1.3 s longer inside the timed case than
-    on a second run). Nothing to compile on a CPU (the interpreter)."""
+    the timing alone on the GPU. Then, where at least half the GPU's memory is free, each dense layer's
+    forward and forward+backward once at the shape itself: a library kernel's first call on a machine
+    loads it (H200, a fresh pod's first ``oneshot --level quick``: SDPA's at 64k took 0.8 s and 1.3 s
+    longer inside the timed case than on a second run; the calls take ~9 GiB there). Nothing to
+    compile on a CPU (the interpreter)."""
     if device != "cuda":
         return
     query = dict(cfg=shape.config(), device=torch.device(device), dtype=DTYPES[shape.dtype])
@@ -308,20 +309,25 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> None:
         m(x)
     _fwd_bwd(m, x, torch.randn_like(x))()
     del m, x
-    try:
-        x = torch.randn(shape.B, shape.S, shape.d_model, device=device, dtype=DTYPES[shape.dtype])
-        for spec in dense_layers(shape, device).values():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    if free < total / 2:      # beside other suites' cases: never where it could take memory a parity case needs
+        return
+    x = torch.randn(shape.B, shape.S, shape.d_model, device=device, dtype=DTYPES[shape.dtype])
+    for spec in dense_layers(shape, device).values():
+        try:
             with torch.device(device):
                 d = spec.make(shape).to(dtype=x.dtype)
             with torch.no_grad():
                 d(x)
             _fwd_bwd(d, x, torch.randn_like(x))()
             del d
-        torch.cuda.synchronize()
-    except torch.cuda.OutOfMemoryError:     # beside other suites' cases: the timed case says whether it fits alone
-        pass
-    finally:
-        torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:     # the timed case says whether it fits alone (``oom``)
+            pass
+        finally:
+            torch.cuda.empty_cache()
 
 
 def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,10 +48,14 @@ class EnvReport:
     findings: list[Finding] = field(default_factory=list)
     pending: concurrent.futures.Future | None = field(default=None, repr=False)   # ``collect(wait=False)``
 
-    def complete(self) -> "EnvReport":
-        """Wait for PyTorch's own report (``collect(wait=False)`` left it running) and add it to the facts."""
+    def complete(self, timeout: float | None = None) -> "EnvReport":
+        """Wait for PyTorch's own report (``collect(wait=False)`` left it running), at most ``timeout``
+        seconds (its ``pip list`` or ``nvidia-smi`` can hang), and add it to the facts."""
         if self.pending is not None:
-            self.facts["collect_env"] = self.pending.result()
+            try:
+                self.facts["collect_env"] = self.pending.result(timeout)
+            except concurrent.futures.TimeoutError:
+                self.facts["collect_env"] = {"error": f"not finished after {timeout} s"}
             self.pending = None
         return self
 
@@ -384,9 +389,9 @@ def collect(wait: bool = True) -> EnvReport:
         return rep
     f["torch"] = torch.__version__
     f["torch_cuda"] = torch.version.cuda
-    report = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="collect_env")
-    rep.pending = report.submit(_collect_env)
-    report.shutdown(wait=False)        # the thread ends with its one task
+    # a daemon thread: a process that ends (a usage error, the run done) does not wait for it
+    rep.pending = pending = concurrent.futures.Future()
+    threading.Thread(target=lambda: pending.set_result(_collect_env()), name="collect_env", daemon=True).start()
     try:
         _checks(rep, torch)
     finally:

@@ -218,7 +218,7 @@ def _alone_line(held: dict | None) -> str:
         return ""
     top = sorted(held.items(), key=lambda kv: -kv[1])[:3]
     name = lambda nodeid: nodeid.split("/")[-1].replace(".py::test_", " ").removeprefix("test_")  # noqa: E731
-    return (f"Timed cases alone on the GPU, nothing else on it: {round(sum(held.values()), 2)} s "
+    return (f"Timed cases holding a GPU alone: {round(sum(held.values()), 2)} s summed "
             f"({', '.join(f'{name(k)} {v} s' for k, v in top)}{', …' if len(held) > 3 else ''}). ")
 
 

@@ -128,6 +128,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
     results: dict[str, SuiteResult] = {}
     status = "complete"
     threads: list[threading.Thread] = []
+    preload: threading.Thread | None = None
     try:
         write_json(run_dir / "manifest.json", manifest)
         listener.run_started(run_dir)
@@ -138,7 +139,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             listener.env_broken()
         elif not stop.is_set():
             locks = warming.locks if warming is not None else run_dir / ".compile"
-            _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
+            preload = _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
             with listener.suites_running():
                 threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
                                       results, listener, stop, locks)
@@ -150,6 +151,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
         if warming is not None:
             warming.summary(run_dir)   # stops its processes; its record kept where the disk still allows
         mark_failed(run_dir, manifest, e)
+        _joined(preload)
         raise
     if stop.is_set():
         status = "interrupted"
@@ -178,9 +180,10 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
                                         cases=[CaseRecord("not-run", name, "skip", f"run {status}", placeholder=True)])
     results = {n: results[n] for n in names if n in results}
+    _joined(preload)
     try:
         if rep.pending is not None:    # the report env.json was written with, now with PyTorch's own
-            write_json(run_dir / "env.json", rep.complete().to_dict())
+            write_json(run_dir / "env.json", rep.complete(timeout=5 if status == "interrupted" else 60).to_dict())
         res = finish(run_dir, manifest, rep.to_dict(), prof, results, req.strict, status, req.allowed_skips,
                      req.baseline, req.max_regression)
     except OSError as e:
@@ -242,11 +245,12 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
     return threads
 
 
-def _preload_reporting(plots: bool) -> None:
+def _preload_reporting(plots: bool) -> threading.Thread:
     """Import what the report and the suites' summaries need once the suites are done (pandas; with
     ``plots``, a summary's, matplotlib with its Agg backend, whose first import on a fresh machine builds
     its font cache) on a thread while they run, when this process only waits: not after them, when the
-    run's end waits for it."""
+    run's end waits for it. The run joins it before it ends (``_joined``): a process that left it behind
+    could cut matplotlib's font cache short, and every later import would pay for it."""
     def load() -> None:
         try:
             import pandas  # noqa: F401
@@ -256,7 +260,14 @@ def _preload_reporting(plots: bool) -> None:
                 import matplotlib.pyplot  # noqa: F401
         except Exception:  # noqa: BLE001  the summary that needs it reports it
             pass
-    threading.Thread(target=load, name="preload-reporting", daemon=True).start()
+    th = threading.Thread(target=load, name="preload-reporting", daemon=True)
+    th.start()
+    return th
+
+
+def _joined(th: threading.Thread | None) -> None:
+    if th is not None:
+        th.join(timeout=120)
 
 
 def _start_warming(req: RunRequest) -> prewarm.Prewarm | None:

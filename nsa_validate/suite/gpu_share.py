@@ -55,9 +55,20 @@ def hold(path: str, exclusive: bool, what: str = ""):
             f.write(json.dumps({"pid": os.getpid(), "exclusive": exclusive, "t0": t0, "t1": t1, "what": what}) + "\n")
 
 
+def _holds(log_path: str) -> list[dict]:
+    """A hold log's lines (a line cut short by a killed process skipped)."""
+    rows = []
+    for line in open(log_path, errors="replace"):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict) and {"t0", "t1", "exclusive", "what"} <= r.keys()]
+
+
 def overlaps(log_path: str) -> list[str]:
     """Exclusive holds in a hold log that overlapped any other hold (should be none)."""
-    rows = [json.loads(line) for line in open(log_path) if line.strip()]
+    rows = _holds(log_path)
     bad = []
     for a in rows:
         if a["exclusive"]:
@@ -84,12 +95,8 @@ def alone(run_dir: Path) -> dict[str, float]:
     seconds, summed over GPUs."""
     out: dict[str, float] = {}
     for log in sorted((Path(run_dir) / "logs").glob("gpu*_share.jsonl")):
-        for line in log.read_text(errors="replace").splitlines():
-            try:
-                h = json.loads(line)
-            except ValueError:                  # a line cut short by a killed process
-                continue
-            if h.get("exclusive"):
+        for h in _holds(str(log)):
+            if h["exclusive"]:
                 out[h["what"]] = round(out.get(h["what"], 0.0) + h["t1"] - h["t0"], 2)
     return out
 

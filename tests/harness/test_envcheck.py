@@ -96,6 +96,19 @@ def test_collect_can_leave_pytorchs_own_report_to_finish_later():
     assert rep.to_dict()["facts"]["collect_env"] is ce
 
 
+def test_pytorchs_own_report_is_waited_for_a_bounded_time_on_a_thread_that_never_holds_the_process(monkeypatch):
+    """Its ``pip list`` or ``nvidia-smi`` can hang: ``complete(timeout)`` says so in the facts and goes on, and
+    its thread is a daemon (a process that ends, on a usage error or at the run's end, does not wait for it)."""
+    import threading
+    import time as _time
+    monkeypatch.setattr(ec, "_collect_env", lambda: _time.sleep(3) or {"os": "late"})
+    rep = ec.collect(wait=False)
+    (th,) = [t for t in threading.enumerate() if t.name == "collect_env"]
+    assert th.daemon
+    assert rep.complete(timeout=0.2).facts["collect_env"] == {"error": "not finished after 0.2 s"}
+    assert rep.pending is None and rep.complete().facts["collect_env"]["error"]     # once only
+
+
 def test_interpreter_finding_names_the_probe_error_and_the_fix():
     bad = {"ok": False, "error": "InterpreterError: TypeError('only 0-dimensional arrays')", "triton": "3.6.0"}
     f = ec.check_interpreter(False, bad, triton_pinned_by_torch=True)

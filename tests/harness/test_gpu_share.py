@@ -62,4 +62,15 @@ def test_share_gpu_runs_the_suites_at_once(tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     alone = {h["what"]: h["t1"] - h["t0"] for h in held if h["exclusive"]}
     assert set(manifest["gpu_alone_s"]) == set(alone) and manifest["phases_s"]["alone"] >= 0, manifest
-    assert "Timed cases alone on the GPU, nothing else on it:" in (run / "report.md").read_text()
+    assert "Timed cases holding a GPU alone:" in (run / "report.md").read_text()
+
+
+def test_a_hold_log_line_cut_short_is_skipped(tmp_path):
+    """A process killed while it wrote its hold leaves half a line: the overlap check and the time alone skip it."""
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "gpu0_share.jsonl"
+    log.write_text(json.dumps({"pid": 1, "exclusive": True, "t0": 1.0, "t1": 2.5, "what": "a::bench"}) + "\n"
+                   + json.dumps({"pid": 2, "exclusive": False, "t0": 3.0, "t1": 4.0, "what": "b::parity"}) + "\n"
+                   + '{"pid": 3, "exclusive": fal')
+    assert gpu_share.overlaps(str(log)) == []
+    assert gpu_share.alone(tmp_path) == {"a::bench": 1.5}
