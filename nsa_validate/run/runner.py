@@ -40,10 +40,12 @@ def suite_env(ctx: RunContext) -> dict:
     return env
 
 
-def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, list[CaseRecord], str | None]:
+def read_records(path: Path, bad: list[str] | None = None,
+                 ready: list[float] | None = None) -> tuple[int | None, list[CaseRecord], str | None]:
     """(cases collected, the finished cases, the case running now or None) from a suite's records. A
     line that is not a record (cut short by a dying process, or damaged) is skipped; ``bad`` gets a
-    description of each such line but a cut-short last one."""
+    description of each such line but a cut-short last one; ``ready`` each process's start-up, the
+    ``ready_s`` of its collection line (its start to its cases' collection)."""
     collected, cases, running = None, [], None
     if not path.exists():
         return None, [], None
@@ -57,6 +59,8 @@ def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, 
                 if type(d["collected"]) is not int:
                     raise ValueError(f"collected: {d['collected']!r} is not a count")
                 collected = d["collected"]
+                if ready is not None and isinstance(d.get("ready_s"), (int, float)):
+                    ready.append(float(d["ready_s"]))
             elif "running" in d:
                 running = d["running"] if isinstance(d["running"], str) else None
             else:
@@ -66,25 +70,6 @@ def read_records(path: Path, bad: list[str] | None = None) -> tuple[int | None, 
             if bad is not None and not (i == len(lines) and isinstance(e, json.JSONDecodeError)):
                 bad.append(f"line {i}: {str(e).splitlines()[0][:200]}")
     return collected, cases, running
-
-
-def startup_s(path: Path) -> float | None:
-    """The slowest of a suite's processes to start (from its start to its cases' collection: Python, the
-    imports, the collection), from the ``ready_s`` of the collection lines in its records; None where
-    none says (a process that never collected, or a platform without the process's age)."""
-    ready = []
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict) and "collected" in d and isinstance(d.get("ready_s"), (int, float)):
-            ready.append(float(d["ready_s"]))
-    return round(max(ready), 2) if ready else None
 
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
@@ -170,7 +155,8 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
     tables and notes it saved (``extra.json``). ``problem``: why the process ended early, if it did
     (an error case says so)."""
     bad: list[str] = []
-    total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl", bad)
+    ready: list[float] = []
+    total, cases, _ = read_records(run_dir / "suites" / f"{name}.records.jsonl", bad, ready)
     if bad:
         cases.append(CaseRecord("suite-records", name, "error", f"{len(bad)} malformed line(s) in "
                                 f"suites/{name}.records.jsonl were skipped, {bad[0]}"))
@@ -197,7 +183,7 @@ def suite_result(name: str, run_dir: Path, problem: str = "", duration_s: float 
         extra = merged(extra, summary.data)
     return SuiteResult(name, suite_status(cases, problem), duration_s, cases, reason=problem,
                        log=f"logs/{name}.log", returncode=returncode, extra=extra,
-                       startup_s=startup_s(run_dir / "suites" / f"{name}.records.jsonl"))
+                       startup_s=round(max(ready), 2) if ready else None)
 
 
 class SuiteInterrupted(KeyboardInterrupt):

@@ -16,6 +16,7 @@ import pytest
 
 from nsa_core import routing
 from nsa_core.routing import DispatchLog
+from nsa_validate import startup
 from nsa_validate.measure import evidence, limits, phases, tolerance
 from nsa_validate.suite import context
 from nsa_validate.suite.context import RunContext
@@ -314,7 +315,6 @@ def pytest_collection_finish(session) -> None:
         cs = getattr(i, "callspec", None)
         if cs is not None and i.nodeid not in _PLACEHOLDERS:
             _PARAMS[i.nodeid] = {k: _plain(v) for k, v in cs.params.items()}
-    from nsa_validate import startup
     # with the process's age now: its start-up (Python, torch, the suite's imports, the collection), for the report
     _emit(session.config, {"collected": len(session.items), "ready_s": startup.process_age()})
 

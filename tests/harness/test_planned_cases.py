@@ -64,15 +64,16 @@ def test_a_suite_process_leaves_with_pytests_status_and_its_report_but_no_shutdo
 
 
 def test_a_suites_start_up_is_its_slowest_process(tmp_path):
-    """``runner.startup_s``: the largest ``ready_s`` of the collection lines; none said, None."""
-    from nsa_validate.run.runner import startup_s
-    rec = tmp_path / "s.records.jsonl"
-    assert startup_s(rec) is None
+    """``SuiteResult.startup_s``: the largest ``ready_s`` of its processes' collection lines; none said, None."""
+    from nsa_validate.run.runner import suite_result
+    (tmp_path / "suites").mkdir()
+    rec = tmp_path / "suites" / "s.records.jsonl"
+    assert suite_result("s", tmp_path).startup_s is None
     rec.write_text('{"collected": 3, "ready_s": 4.2}\n{"running": "a"}\n{"collected": 3, "ready_s": 5.01}\n'
                    '{"collected": 3, "ready_s": null}\n{"collec')
-    assert startup_s(rec) == 5.01
+    assert suite_result("s", tmp_path).startup_s == 5.01
     rec.write_text('{"collected": 3}\n')
-    assert startup_s(rec) is None
+    assert suite_result("s", tmp_path).startup_s is None
 
 
 def test_a_suite_process_that_ends_otherwise_still_says_why_in_its_log(tmp_path):
