@@ -144,13 +144,14 @@ def dense_decodes(cfg: NSAConfig, cache, dtype, device, *, flash_attn: bool) -> 
 
 
 def loop_rows(calls: int, device, warmup: int = 3) -> int:
-    """Tokens ``decode_loop`` appends: its warm-up, then the loop (twice on a GPU: ``timing.loop``)."""
-    return warmup + (2 if torch.device(device).type == "cuda" else 1) * calls
+    """Tokens ``decode_loop`` appends: one a call of ``timing.loop`` (``timing.loop_calls``)."""
+    from nsa_validate.measure import timing
+    return timing.loop_calls(calls, torch.device(device).type, warmup)
 
 
 def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3, warmed=None):
     """``NSAAttention.decode`` called token after token from position t, as the README's usage calls it
-    (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for warmup + 2·calls more (on a GPU
+    (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for ``loop_rows`` more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. ``warmed``: called
     after the first warm-up call (``timing.loop``). -> timing.LoopTiming."""

@@ -303,6 +303,14 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
 HOST_CHUNK = 16
 
 
+def loop_calls(calls: int, device: str = "cuda", warmup: int = 3) -> int:
+    """How many times ``loop`` calls its ``fn`` for ``calls`` timed calls: the warm-up and the loop, and on a
+    GPU the host's pass too (the loop's calls again, and one untimed lead call per ``HOST_CHUNK``)."""
+    if device != "cuda":
+        return warmup + calls
+    return warmup + 2 * calls + math.ceil(calls / HOST_CHUNK)
+
+
 @dataclass
 class LoopTiming:
     """A call made token after token, as user code makes it (``loop``): ms per call."""
@@ -331,6 +339,9 @@ def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmu
     and, on a GPU, CUDA events around it; then the host's own cost per call: the same calls made
     while the GPU sleeps, so the host never waits on it (``fn`` must not sync), ``HOST_CHUNK`` calls
     behind each sleep: more would fill the GPU's launch queue, and the host would wait for room in it.
+    Each chunk starts with an untimed call: in a loop back to back every call but the first follows
+    another, and the first call after the host has waited (on the GPU, or asleep) costs it 2-3 times as
+    much (docs/decisions.md). ``fn`` is called ``loop_calls`` times in all.
     Where wall ≈ host, the host is the limit; where wall ≈ the GPU work of one call, the GPU is.
     ``warmup`` calls first (i = 0 ..), the loop's calls after them; no L2 flush: a loop's calls
     follow one another. ``warmed``: called once the first warm-up call's work has finished (it compiles
@@ -360,11 +371,13 @@ def loop(fn: Callable[[int], object], calls: int, *, device: str = "cuda", warmu
     wall = (time.perf_counter() - t0) * 1e3 / calls
     events = a.elapsed_time(b) / calls
     # the host's cost: per chunk, the GPU held asleep for longer than the host takes to issue the chunk's
-    # calls (four times their wall time above, plus 0.2 ms), then those calls timed on the host alone
+    # calls and its lead call (four times their wall time above, plus 0.2 ms); the lead call, then the
+    # chunk's calls timed on the host alone
     spent = 0.0
     for start in range(warmup, warmup + calls, HOST_CHUNK):
         chunk = range(start, min(start + HOST_CHUNK, warmup + calls))
-        torch.cuda._sleep(int((4 * wall * len(chunk) + 0.2) * _sleep_cycles_per_ms()))
+        torch.cuda._sleep(int((4 * wall * (len(chunk) + 1) + 0.2) * _sleep_cycles_per_ms()))
+        fn(start)
         t0 = time.perf_counter()
         for i in chunk:
             fn(i)

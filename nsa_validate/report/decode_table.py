@@ -53,7 +53,8 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "loop_ms": "NSAAttention.decode called token after token (the README's usage; suites.decode.loop_tokens "
                "tokens from position S−1, compressed spans completing on the way), wall clock per token",
     "loop_events_ms": "the same loop, CUDA events around it, per token (GPU)",
-    "loop_host_ms": "the host's own cost per call: the same calls queued behind a GPU sleep (GPU)",
+    "loop_host_ms": "the host's own cost per call: the same calls queued behind a GPU sleep, 16 at a time, each 16 "
+                    "after an untimed call, as a call back to back follows another (GPU)",
     "loop_gpu_share": "layer_ms / loop_ms: the share of a token's wall time the GPU's work accounts for (GPU)",
     "loop_host_bound": "loop_ms > 1.5 × layer_ms: the host, not the GPU, sets the loop's pace",
     "tokens_read": "tokens per KV head the step read (cmp + sel + win), from the kernel's own counters",

@@ -33,6 +33,7 @@ def test_cpu_loop_calls_token_after_token_and_is_labelled_cpu():
     seen = []
     t = timing.loop(lambda i: (seen.append(i), time.sleep(1e-3)), 5, device="cpu", warmup=2)
     assert seen == list(range(7)) and t.timer == "cpu" and t.calls == 5
+    assert timing.loop_calls(5, "cpu", warmup=2) == len(seen)
     assert t.wall_ms >= 1.0 and t.events_ms is None and t.host_ms is None
 
 
@@ -44,8 +45,10 @@ def test_gpu_loop_tells_the_hosts_cost_from_the_gpus_work():
     from nsa_validate.measure.timing import _sleep_cycles_per_ms
     cycles = int(_sleep_cycles_per_ms())
     x = torch.zeros(1, device="cuda")
-    gpu = timing.loop(lambda i: torch.cuda._sleep(cycles), 20, device="cuda")
+    seen = []
+    gpu = timing.loop(lambda i: (seen.append(i), torch.cuda._sleep(cycles)), 20, device="cuda")
     assert gpu.wall_ms > 0.8 and gpu.events_ms > 0.8 and gpu.host_ms < 0.3, gpu
+    assert len(seen) == timing.loop_calls(20, "cuda") == 3 + 2 * 20 + 2        # a lead call a chunk of 16
     host = timing.loop(lambda i: (x.add_(1), time.sleep(1e-3)), 20, device="cuda")
     assert host.wall_ms > 0.9 and host.host_ms > 0.9, host
 
