@@ -18,9 +18,10 @@ graph (the position is a device tensor; no shape depends on it):
 2. ``_scores_kernel`` (one program per (batch row · KV head, 64 selection blocks)) merges the
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
-   heads: the selection-block scores; ``_topn_kernel`` (one program per (row · KV head)) takes the
-   top n (block 0 and the two local blocks forced; ties to the lower index), written ascending and
-   −1 padded: exactly docs/nsa.md.
+   heads: the selection-block scores, turned into top-n keys (``_candidates``), of which each program
+   keeps its best n where B·G ≤ EARLY_TRIGGER_ROWS (all of them above); ``_topn_kernel`` (one program
+   per (row · KV head)) takes the top n of those (block 0 and the two local blocks forced; ties to the
+   lower index), written ascending and −1 padded: exactly docs/nsa.md.
 3. ``_winsel_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
    (positions j·l' .. min(j·l'+l', t+1)−1), in tiles of one selection block (two at B·G 9–16:
    ``TWO_BLOCK_TILES``).
@@ -96,7 +97,7 @@ TWO_BLOCK_TILES = (9, 16)
 # fp32 adds: faster than the products at every B measured, outputs bit-identical (docs/decisions.md)
 SUMS_BY_RESHAPE = True
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
-TOPN_CHUNK = 1024             # selection blocks the top-n ranks at a time (``_topn_kernel``)
+TOPN_CHUNK = 1024             # keys the top-n ranks at a time (``_topn_kernel``)
 # compressed tokens per tile of the compressed partials (tiles of 128, of 32 with more stages, and the tile loop
 # unrolled were slower: docs/decisions.md)
 CMP_TILE = 64
@@ -402,14 +403,15 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
 
 
 @triton.jit
-def _scores_kernel(PM, PL, BSUM, BMAX, SCORE, POS, n_sm,
+def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
                    G: tl.constexpr, H_PER_G: tl.constexpr, BH: tl.constexpr, C_CMP: tl.constexpr,
                    CP: tl.constexpr, NC: tl.constexpr, NT: tl.constexpr, TB: tl.constexpr, NBT: tl.constexpr,
-                   NBP: tl.constexpr, BJ: tl.constexpr, OVT: tl.constexpr, BLOCK: tl.constexpr,
+                   NBP: tl.constexpr, BJ: tl.constexpr, KC: tl.constexpr, OVT: tl.constexpr, BLOCK: tl.constexpr,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
                    HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, IDLE_EXIT: tl.constexpr = False):
-    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head) -> SCORE [BG, NBP],
-    for the blocks up to the new token's (the top-n ranks no other; a program past them does nothing)."""
+    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head), for the blocks up to
+    the new token's, and the KC best of them as top-n keys (``_candidates``) -> CAND [BG, NBP / BJ · KC]
+    (slots pid1·KC ..): the top-n ranks those. A program past the new token's block does nothing."""
     bg = tl.program_id(0)
     # the position is written by work that ended two launches back or more (``_grid_dependency``): read
     # while the compressed launch finishes
@@ -452,35 +454,46 @@ def _scores_kernel(PM, PL, BSUM, BMAX, SCORE, POS, n_sm,
             mt = tl.load(BMAX + at, mask=ok, other=0.0)
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
-    tl.store(SCORE + bg * NBP + j, score, mask=live)
+    cand = _candidates(score, j, t // BLOCK, BJ, KC)
+    tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand, mask=live)
     _grid_release(GDC)
 
 
 @triton.jit
-def _topn_keys(SCORE, bg, cur, j0, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
-    """The best KP keys, best first, among the free causal blocks j0..j0+CH−1 of SCORE's row bg (cur:
-    the new token's block). A key: high word the score's bits mapped so that integers order as the
-    floats do (negatives' magnitude bits flipped, −0 taken as +0, NaN as −inf), low word 2^31 − 1 − j,
-    so that equal scores go to the lower block (``ranks_before``'s order); no free block: the least int64."""
+def _candidates(score, j, cur, BJ: tl.constexpr, KC: tl.constexpr):
+    """The best KC top-n keys, best first, among blocks j [BJ] with scores ``score`` [BJ] (cur: the new
+    token's block); all BJ keys where KC = BJ. A key: high word the score's bits mapped so that integers
+    order as the floats do (negatives' magnitude bits flipped, −0 taken as +0, NaN as −inf), low word
+    2^31 − 1 − j, so that equal scores go to the lower block (``ranks_before``'s order); a block that is
+    not causal, or forced (0 and the two local ones), is the least int64. Keys are distinct, so the best
+    n of every group's best n are the best n of all (``_topn_kernel``)."""
     BIG: tl.constexpr = 2147483647
     NONE: tl.constexpr = -9223372036854775807 - 1
-    j = j0 + tl.arange(0, CH)
-    score = tl.load(SCORE + bg * NBP + j, mask=(j <= cur) & (j < NBP), other=0.0)
     # a NaN score (from inputs that overflow) ranks lowest: every free block's key stays above NONE, so
     # the picks are always real blocks, never an empty key's (block 2^31 − 1)
     score = tl.where(score == score, score, float("-inf"))
     free = (j <= cur) & (j != 0) & (j != cur) & (j != cur - 1)          # causal and not forced
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     bits = bits ^ ((bits >> 31) & BIG)
-    return tl.topk(tl.where(free, block_key(bits, j), NONE), KP)
+    key = tl.where(free, block_key(bits, j), NONE)
+    if KC < BJ:
+        key = tl.topk(key, KC)
+    return key
 
 
 @triton.jit
-def _topn_chunks(SCORE, bg, cur, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
-    """The best KP keys among the free causal blocks 0..cur of row bg, CH blocks at a time."""
+def _topn_load(CAND, bg, j0, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
+    """The best KP, best first, of keys j0..j0+CH−1 of CAND's row bg (those from n_keys on: none)."""
+    r = j0 + tl.arange(0, CH)
+    return tl.topk(tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1), KP)
+
+
+@triton.jit
+def _topn_chunks(CAND, bg, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
+    """The best KP of keys 0..n_keys−1 of CAND's row bg, CH at a time."""
     top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    for j0 in tl.range(0, cur + 1, CH):
-        key = _topn_keys(SCORE, bg, cur, j0, NBP, CH, KP)
+    for j0 in tl.range(0, n_keys, CH):
+        key = _topn_load(CAND, bg, j0, n_keys, NK, CH, KP)
         if j0 == 0:
             top = key
         else:
@@ -489,15 +502,15 @@ def _topn_chunks(SCORE, bg, cur, NBP: tl.constexpr, CH: tl.constexpr, KP: tl.con
 
 
 @triton.jit
-def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
-                 NSP: tl.constexpr, NBP: tl.constexpr, CH: tl.constexpr, GDC: tl.constexpr = 0,
-                 HALF: tl.constexpr = False):
+def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
+                 NSP: tl.constexpr, BJ: tl.constexpr, KC: tl.constexpr, NK: tl.constexpr, CH: tl.constexpr,
+                 GDC: tl.constexpr = 0, HALF: tl.constexpr = False):
     """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
-    scores among the other causal blocks (``_topn_keys``), ties to the lower index; written ascending,
-    −1 padded. The causal blocks 0..t//l' are ranked CH at a time, a bitonic top-KP (``tl.topk``) of each
-    chunk, kept with the best so far by a top-KP of the 2·KP: a cache with room to grow ranks only the
-    chunks its tokens reach. The picks and the forced blocks (the distinct ones) are then sorted
-    ascending, a sort of 2·KP."""
+    scores among the other causal blocks, ties to the lower index; written ascending, −1 padded. It ranks
+    the keys the scorer kept (``_candidates``: KC of each group of BJ blocks, CAND [B·G, NK]) of the groups
+    up to the new token's block, CH keys at a time, a bitonic top-KP (``tl.topk``) of each chunk kept with
+    the best so far by a top-KP of the 2·KP: a cache with room to grow ranks only the groups its tokens
+    reach. The picks and the forced blocks (the distinct ones) are then sorted ascending, a sort of 2·KP."""
     # the position is written by work that ended two launches back or more (``_grid_dependency``)
     b = tl.program_id(0) // G
     t = tl.load(POS + b)
@@ -505,18 +518,19 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     bg = tl.program_id(0)
     g = bg % G
     cur = t // BLOCK
-    KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the blocks
+    KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the keys
+    n_keys = (cur // BJ + 1) * KC
+    if HALF:
+        # a cache with room to grow: while the keys fit in half a chunk, a top-k of half the size (the chunk is
+        # the capacity's where it holds fewer than TOPN_CHUNK keys)
+        if n_keys <= CH // 2:
+            top = _topn_load(CAND, bg, 0, n_keys, NK, CH // 2, KP)
+        else:
+            top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP)
+    else:
+        top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP)
     n_take = tl.minimum(cur + 1, N_SEL)
     BIG: tl.constexpr = 2147483647
-    if HALF:
-        # a cache with room to grow: while the causal blocks fit in half a chunk, a top-k of half the size
-        # (the chunk is the capacity's where it holds fewer than TOPN_CHUNK blocks)
-        if cur < CH // 2:
-            top = _topn_keys(SCORE, bg, cur, 0, NBP, CH // 2, KP)
-        else:
-            top = _topn_chunks(SCORE, bg, cur, NBP, CH, KP)
-    else:
-        top = _topn_chunks(SCORE, bg, cur, NBP, CH, KP)
     n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)
     s = tl.arange(0, KP)
     # there are at least n_take − n_forced free causal blocks: every pick below is a real block
@@ -527,7 +541,7 @@ def _topn_kernel(SCORE, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr
     dst = IDX + b * sib + g * sig
     r = tl.arange(0, 2 * KP)
     tl.store(dst + r, tl.where(r < n_take, blocks, -1), mask=r < N_SEL)
-    if 2 * KP < N_SEL:          # a cache of fewer than n/2 blocks: the slots past the sort's are unused
+    if 2 * KP < N_SEL:          # fewer than n/2 keys a chunk: the slots past the sort's are unused
         r2 = tl.arange(0, NSP)
         tl.store(dst + r2, tl.full([NSP], -1, tl.int32), mask=(r2 >= 2 * KP) & (r2 < N_SEL))
 
@@ -746,6 +760,20 @@ class Plan:
         return self.C_CMP + self.C_WIN + self.C_SEL
 
     @property
+    def score_blocks(self) -> int:
+        """Selection blocks one scoring program scores."""
+        return min(self.nbp, SCORE_BLOCKS)
+
+    @property
+    def cands(self) -> int:
+        """Top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n under the early
+        trigger (B·G ≤ EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of
+        them above it (a top-k in each of the scorer's many programs cost more than the top-n saved:
+        docs/decisions.md)."""
+        bj = self.score_blocks
+        return min(triton.next_power_of_2(self.n_sel), bj) if self.B * self.G <= EARLY_TRIGGER_ROWS else bj
+
+    @property
     def n_tiles(self) -> int:
         """Tiles of BNC compressed tokens the compressed partials cover."""
         return self.C_CMP * self.cmp_tiles
@@ -790,7 +818,7 @@ class Workspace:
         self.bsum = torch.empty(BG, p.n_tiles, p.BH, p.nbt, **f32)   # per tile and head: block sums
         self.bmax = torch.empty(BG, p.n_tiles, p.BH, **f32)           # and the running max they are relative to
         self.idx = torch.empty(p.B, p.G, p.n_sel, device=device, dtype=torch.int32)
-        self.score = torch.empty(BG, p.nbp, **f32)
+        self.cand = torch.empty(BG, p.nbp // p.score_blocks * p.cands, device=device, dtype=torch.int64)
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.mix = torch.zeros(p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.reads = torch.zeros(3, p.B, p.G, device=device, dtype=torch.int32)
@@ -855,14 +883,14 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
             WANT_V="cmp" in want, WRITE_SCORES="sel" in want, APPEND=fused, SUM_RESHAPE=p.sums_by_reshape,
             **common)
     if "sel" in want:
-        NBP = p.nbp
-        BJ = min(NBP, SCORE_BLOCKS)
-        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.score, pos, n_sm, G=p.G, H_PER_G=p.h,
+        NBP, BJ = p.nbp, p.score_blocks
+        _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.cand, pos, n_sm, G=p.G, H_PER_G=p.h,
                                         BH=p.BH, CP=triton.next_power_of_2(p.C_CMP), NC=p.NC,
-                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, BLOCK=cfg.block_size,
+                                        NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, KC=p.cands,
+                                        BLOCK=cfg.block_size,
                                         BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
                                         C_CMP=p.C_CMP, IDLE_EXIT=p.gdc == 3, **pdl)
-        top_n(ws.score, pos, ws.idx, cfg, **topn_pdl)
+        top_n(ws.cand, pos, ws.idx, cfg, BJ, p.cands, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
@@ -887,16 +915,43 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                    ws.idx if "sel" in want else None, ws.mix if gate is not None else None)
 
 
-def top_n(score, pos, idx, cfg: NSAConfig, *, GDC: int = 0, launch_pdl: bool = False) -> None:
-    """The step's top-n (``_topn_kernel``): score [B·G, NBP] fp32 block scores (NBP a power of two),
-    pos [B] int32 -> idx [B, G, n] int32, the blocks selected for the token at pos, ascending, −1 padded."""
-    BG, NBP = score.shape
+def top_n(cand, pos, idx, cfg: NSAConfig, bj: int, kc: int, *, GDC: int = 0, launch_pdl: bool = False) -> None:
+    """The step's top-n (``_topn_kernel``): cand [B·G, NK] int64, the keys the scorer kept, ``kc`` of each
+    group of ``bj`` blocks (``_candidates``), pos [B] int32 -> idx [B, G, n] int32, the blocks selected for
+    the token at pos, ascending, −1 padded."""
+    BG, nk = cand.shape
     nsp = triton.next_power_of_2(cfg.n_selected)
     # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks; a chunk holds n picks
-    ch = min(max(NBP, 4), max(TOPN_CHUNK, nsp))
-    _topn_kernel[(BG,)](score, pos, idx, idx.stride(0), idx.stride(1), G=idx.shape[1], BLOCK=cfg.block_size,
-                        N_SEL=cfg.n_selected, NSP=nsp, NBP=NBP, CH=ch,
+    ch = min(max(nk, 4), max(TOPN_CHUNK, nsp))
+    _topn_kernel[(BG,)](cand, pos, idx, idx.stride(0), idx.stride(1), G=idx.shape[1], BLOCK=cfg.block_size,
+                        N_SEL=cfg.n_selected, NSP=nsp, BJ=bj, KC=kc, NK=nk, CH=ch,
                         num_warps=SELECT_WARPS, GDC=GDC, launch_pdl=launch_pdl, HALF=ch // 2 > nsp)
+
+
+@triton.jit
+def _candidates_kernel(SCORE, POS, CAND, G: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, BJ: tl.constexpr,
+                       KC: tl.constexpr):
+    """The scorer's candidates (``_candidates``) from block scores given, SCORE [B·G, NBP] -> CAND (``top_n_of``)."""
+    bg = tl.program_id(0)
+    cur = tl.load(POS + bg // G) // BLOCK
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    cand = _candidates(tl.load(SCORE + bg * NBP + j), j, cur, BJ, KC)
+    tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand,
+             mask=tl.program_id(1) * BJ <= cur)
+
+
+def top_n_of(score, pos, idx, cfg: NSAConfig, *, keep_all: bool = False) -> None:
+    """The step's block selection from block scores given (the tests rank scores they set): score [B·G, NBP]
+    fp32 (NBP a power of two), pos [B] int32 -> idx [B, G, n] int32, ranked as the step ranks its own: each
+    group of a scoring program's blocks (``SCORE_BLOCKS``) keeps its best keys (``_candidates``), or all of
+    them (``keep_all``: the step above ``EARLY_TRIGGER_ROWS``), then ``top_n``."""
+    BG, NBP = score.shape
+    bj = min(NBP, SCORE_BLOCKS)
+    kc = bj if keep_all else min(triton.next_power_of_2(cfg.n_selected), bj)
+    cand = torch.empty(BG, NBP // bj * kc, device=score.device, dtype=torch.int64)
+    _candidates_kernel[(BG, NBP // bj)](score, pos, cand, G=idx.shape[1], NBP=NBP, BLOCK=cfg.block_size, BJ=bj,
+                                        KC=kc)
+    top_n(cand, pos, idx, cfg, bj, kc)
 
 
 class DecodeStep:

@@ -149,10 +149,10 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
     blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
     the compressed launch is split by the tokens held and the scorer and top-n rank only the causal
     blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens and a top-n over chunks
-    of 16 or 4 blocks, so that the split and the chunks vary (16: some capacities rank the causal blocks
-    in a half chunk, ``_topn_kernel``'s HALF). The chunk is the top-n launch's alone (``top_n``): the step
-    runs with chunks of 16, then its top-n again over chunks of 4 on the step's own block scores, which
-    must give the oracle's blocks too (the launches after it would then see the blocks they saw)."""
+    of 16 or 4 keys, so that the split and the chunks vary. The chunk is the top-n launch's alone
+    (``top_n``): the step runs with chunks of 16, then its top-n again over chunks of 4 on the step's own
+    candidate keys, which must give the oracle's blocks too (the launches after it would then see the
+    blocks they saw)."""
     from kernels import decode
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
@@ -173,7 +173,7 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
             with monkeypatch.context() as mp:
                 mp.setattr(decode, "TOPN_CHUNK", 4)
                 idx = torch.full_like(step.ws.idx, 99)
-                decode.top_n(step.ws.score, pos, idx, cfg)
+                decode.top_n(step.ws.cand, pos, idx, cfg, step.plan.score_blocks, step.plan.cands)
             assert torch.equal(idx.long(), oracle[0]["idx"]), (cap, idx.tolist(), oracle[0]["idx"].tolist())
 
 
@@ -203,8 +203,9 @@ def _top_n_positions(cfg, NB: int, chunk: int) -> range:
     return range(0, NB * cfg.block_size, step)
 
 
-def _top_n_at(s, positions, cfg):
-    """The step's top-n (``decode.top_n``) at every position in one launch: the positions along the
+def _top_n_at(s, positions, cfg, keep_all=False):
+    """The step's block selection (``decode.top_n_of``: the scorer's candidates, then the top-n) at every
+    position in one launch: the positions along the
     kernel's batch dimension (row b at positions[b], its program reading its own position), each row
     the same block scores. s [G, NB] fp32 -> idx [len(positions), G, n] int64 on the CPU. One launch,
     not one a position: the interpreter runs a launch's programs one after the other, so this is the
@@ -213,21 +214,25 @@ def _top_n_at(s, positions, cfg):
     G, NB = s.shape
     pos = torch.tensor(list(positions), dtype=torch.int32, device=DEV)
     idx = torch.full((len(pos), G, cfg.n_selected), 99, dtype=torch.int32, device=DEV)
-    decode.top_n(s.to(DEV).expand(len(pos), G, NB).reshape(-1, NB).contiguous(), pos, idx, cfg)
+    decode.top_n_of(s.to(DEV).expand(len(pos), G, NB).reshape(-1, NB).contiguous(), pos, idx, cfg, keep_all=keep_all)
     return idx.cpu().long()
 
 
-# chunks of 4 only for caches of more than 4 blocks: ``top_n`` ranks at least 4 blocks a chunk, so a cache of 4
-# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions)
+# chunks of 4 keys only for caches of more than 4 blocks: ``top_n`` ranks at least 4 keys a chunk, so a cache of 4
+# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions). With chunks of 4 the
+# scorer's groups are of 16 blocks (``SCORE_BLOCKS``): several groups a row, each keeping its best n (n < 16) or
+# all its keys (n = 16)
 TOP_N_CASES = [pytest.param(nb, n_sel, chunk, id=f"{name}-{nb}-blocks-n{n_sel}")
-               for chunk, name in ((1 << 20, "one-chunk"), (4, "chunks-of-4"))
+               for chunk, name in ((1 << 20, "one-chunk"), (4, "chunks-of-4-groups-of-16"))
                for nb, n_sel in ((64, 5), (128, 16), (8, 4), (4, 16), (2, 4)) if chunk != 4 or nb > 4]
 
 
+@pytest.mark.parametrize("keep_all", [False, True], ids=["best-n-a-group", "all-keys"])
 @pytest.mark.parametrize("scores", ["distinct", "quarter-steps", "all-equal", "falling"])
 @pytest.mark.parametrize("nb,n_sel,chunk", TOP_N_CASES)
-def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypatch, nb, n_sel):
-    """The step's top-n alone (``_topn_kernel``) on block scores with exact ties: forced block 0 and
+def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypatch, nb, n_sel, keep_all):
+    """The step's block selection alone (the scorer's keys, each group's best n or all of them:
+    ``_candidates``; then ``_topn_kernel``) on block scores with exact ties: forced block 0 and
     the local blocks, then the highest, ties to the lower index, ascending and −1 padded — the
     oracle's ``select_blocks`` on the same scores, at positions all through the cache (one launch,
     ``_top_n_at``), caches of fewer blocks than n included (4 blocks with n = 16, 2 with n = 4: every
@@ -237,13 +242,15 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
     index; on a GPU the kernel's own rule is what this checks.)"""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
+    if chunk == 4:
+        monkeypatch.setattr(decode, "SCORE_BLOCKS", 16)
     cfg = tiny(block_size=16, n_selected=n_sel)
     NB = nb
     torch.manual_seed(5)
     s = {"distinct": torch.rand(2, NB), "quarter-steps": torch.randint(0, 4, (2, NB)) / 4,
          "all-equal": torch.ones(1, NB), "falling": -torch.arange(NB).float()[None]}[scores]
     positions = _top_n_positions(cfg, NB, chunk)
-    got = _top_n_at(s, positions, cfg)
+    got = _top_n_at(s, positions, cfg, keep_all)
     ref = reference.select_blocks(s.expand(1, len(positions), *s.shape), torch.tensor(list(positions)), cfg)[0]
     for t, g, r in zip(positions, got, ref):
         assert torch.equal(g, r), (t, g.tolist(), r.tolist())
@@ -258,6 +265,8 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
     among them, the rest -1 — never a block past the query (a NaN ranks lowest)."""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
+    if chunk == 4:
+        monkeypatch.setattr(decode, "SCORE_BLOCKS", 16)
     cfg = tiny(block_size=16, n_selected=n_sel)
     NB, G = nb, 2
     torch.manual_seed(6)
