@@ -41,9 +41,9 @@ the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t
 
 The grids are sized for the cache's capacity (a graph replays them at every position), the work for
 the tokens held: the compressed launch splits the compressed tokens at position t as it would split a
-full cache of t + 1 tokens (``_cmp_split``; its programs past them do nothing), the scorer scores and
-the top-n ranks only the blocks up to t's, and the merge reads only the partials written. So a cache
-allocated with room to grow costs what a full one does.
+full cache of t + 1 tokens (``_cmp_split``; its programs past them do nothing), the scorer scores only
+the blocks up to t's and the top-n ranks only the keys of the scoring programs that reach them, and the
+merge reads only the partials written. So a cache allocated with room to grow costs what a full one does.
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
@@ -754,24 +754,15 @@ class Plan:
     merge_cols: int            # d_v columns of a merge program
     n_sm: int                  # the device's SMs (``_cmp_split`` splits for them at every position)
     stages: int                # software-pipelining stages of both partial launches' tile loops (``PARTIAL_STAGES``)
+    score_blocks: int          # selection blocks one scoring program scores (``SCORE_BLOCKS``)
+    # top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n under the early trigger (B·G ≤
+    # EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of them above it (a top-k
+    # in each of the scorer's many programs cost more than the top-n saved: docs/decisions.md)
+    cands: int
 
     @property
     def NC(self) -> int:
         return self.C_CMP + self.C_WIN + self.C_SEL
-
-    @property
-    def score_blocks(self) -> int:
-        """Selection blocks one scoring program scores."""
-        return min(self.nbp, SCORE_BLOCKS)
-
-    @property
-    def cands(self) -> int:
-        """Top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n under the early
-        trigger (B·G ≤ EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of
-        them above it (a top-k in each of the scorer's many programs cost more than the top-n saved:
-        docs/decisions.md)."""
-        bj = self.score_blocks
-        return min(triton.next_power_of_2(self.n_sel), bj) if self.B * self.G <= EARLY_TRIGGER_ROWS else bj
 
     @property
     def n_tiles(self) -> int:
@@ -797,12 +788,14 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     r = cfg.block_size // cfg.cmp_stride            # compressed tokens starting in one block
     by_reshape = (SUMS_BY_RESHAPE and cfg.block_size % cfg.cmp_stride == 0 and r & (r - 1) == 0 and BNC == tb * r
                   and nbt == tb + 1)
-    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected,
-                triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size)), BN, BNC,
+    nbp = triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size))
+    bj = min(nbp, SCORE_BLOCKS)
+    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected, nbp, BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct))
+                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), bj,
+                min(triton.next_power_of_2(cfg.n_selected), bj) if B * G <= EARLY_TRIGGER_ROWS else bj)
 
 
 class Workspace:

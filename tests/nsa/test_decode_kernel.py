@@ -148,14 +148,16 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
     t + 1 + 64, 2·(t + 1), 4·(t + 1)) gives the step of a cache of exactly t + 1 tokens: the oracle's
     blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
     the compressed launch is split by the tokens held and the scorer and top-n rank only the causal
-    blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens and a top-n over chunks
-    of 16 or 4 keys, so that the split and the chunks vary. The chunk is the top-n launch's alone
-    (``top_n``): the step runs with chunks of 16, then its top-n again over chunks of 4 on the step's own
-    candidate keys, which must give the oracle's blocks too (the launches after it would then see the
-    blocks they saw)."""
+    blocks; its rows past t, NaN, are never read. Compressed tiles of 16 tokens, scoring programs of 8
+    blocks (each keeping its best n: up to 3 groups a row, t = 300) and a top-n over chunks of 16 keys (a
+    half chunk while the keys fit in it, t ≤ 150) or of 4, so that the split, the groups and the chunks
+    vary. The chunk is the top-n launch's alone (``top_n``): the step runs with chunks of 16, then its
+    top-n again over chunks of 4 on the step's own candidate keys, which must give the oracle's blocks
+    too (the launches after it would then see the blocks they saw)."""
     from kernels import decode
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
+    monkeypatch.setattr(decode, "SCORE_BLOCKS", 8)
     cfg = CFG
     torch.manual_seed(8)
     m = NSAAttention(cfg).to(DEV)
@@ -164,17 +166,20 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
         q, k, v = m.project(x)
         pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
         oracle = None           # every capacity holds the same tokens: one oracle row for all
+        kept_best = False       # some capacity's groups kept their best n, not all their keys
         for cap in (t + 1, t + 65, 2 * (t + 1), 4 * (t + 1)):
             cache = DecodeCache(cfg, 2, cap, device=DEV)
             cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
             step = decode.DecodeStep(cfg, cache)
             assert step.plan.nbp >= cap // cfg.block_size
+            kept_best |= step.plan.cands < step.plan.score_blocks
             oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
             with monkeypatch.context() as mp:
                 mp.setattr(decode, "TOPN_CHUNK", 4)
                 idx = torch.full_like(step.ws.idx, 99)
                 decode.top_n(step.ws.cand, pos, idx, cfg, step.plan.score_blocks, step.plan.cands)
             assert torch.equal(idx.long(), oracle[0]["idx"]), (cap, idx.tolist(), oracle[0]["idx"].tolist())
+    assert kept_best or t < 16          # (at t = 5 every capacity is 4 blocks or fewer: one group, all its keys)
 
 
 def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(layer, tiles):
@@ -197,8 +202,9 @@ def test_one_branch_alone_runs_only_its_work_and_matches_the_full_step(layer, ti
 
 def _top_n_positions(cfg, NB: int, chunk: int) -> range:
     """Positions for the top-n cases: the top-n depends on t only through its block t // l', so one
-    position a block, at a different offset in each (every 97th token past 64 blocks; chunks of 4 make
-    each launch loop over up to NB/4 chunks under the interpreter: every fifth of those)."""
+    position a block, at a different offset in each (every 97th token past 64 blocks; chunks of 4 keys
+    make each launch loop over up to a quarter of its keys' chunks under the interpreter: every fifth of
+    those)."""
     step = (cfg.block_size + 1 if NB <= 64 else 97) * (5 if chunk < NB and NB > 16 else 1)
     return range(0, NB * cfg.block_size, step)
 
