@@ -427,6 +427,10 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
     # a program past the new token's block loads nothing and stores nothing (masks, not a branch: a
     # branch around the body made the step slower at B=1: docs/decisions.md)
     live = tl.program_id(1) * BJ <= t // BLOCK
+    # the same as masks of the loads and stores, written on vectors: the interpreter (Triton 3.9) mistypes masks
+    # built from loaded scalars
+    live_j = j - tl.arange(0, BJ) <= t // BLOCK
+    live_k = tl.program_id(1) * BJ + 0 * tl.arange(0, KC) <= t // BLOCK
     # the chunks and tiles the compressed launch wrote at this position (``_cmp_split``)
     _, held, _, n_ch = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BNC, CMP_TILES, HALVINGS, C_CMP)
     rows = tl.arange(0, BH)
@@ -449,13 +453,13 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
         for o in tl.static_range(OVT):
             tau = j // TB - o
             local = j - tau * TB
-            ok = (tau >= 0) & (tau < held) & (local < NBT) & live
+            ok = (tau >= 0) & (tau < held) & (local < NBT) & live_j
             at = (bg * NT + tau).to(tl.int64) * BH + hh
             mt = tl.load(BMAX + at, mask=ok, other=0.0)
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
     cand = _candidates(score, j, t // BLOCK, BJ, KC)
-    tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand, mask=live)
+    tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand, mask=live_k)
     _grid_release(GDC)
 
 
@@ -930,7 +934,7 @@ def _candidates_kernel(SCORE, POS, CAND, G: tl.constexpr, NBP: tl.constexpr, BLO
     j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     cand = _candidates(tl.load(SCORE + bg * NBP + j), j, cur, BJ, KC)
     tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand,
-             mask=tl.program_id(1) * BJ <= cur)
+             mask=tl.program_id(1) * BJ + 0 * tl.arange(0, KC) <= cur)    # (a vector: ``_scores_kernel``'s live_k)
 
 
 def top_n_of(score, pos, idx, cfg: NSAConfig, *, keep_all: bool = False) -> None:
