@@ -799,7 +799,13 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
                 *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), bj,
-                min(triton.next_power_of_2(cfg.n_selected), bj) if B * G <= EARLY_TRIGGER_ROWS else bj)
+                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS))
+
+
+def kept_keys(cfg: NSAConfig, bj: int, all_keys: bool) -> int:
+    """Top-n keys a scoring program of ``bj`` blocks keeps (``_candidates``): all of them, or its best n (a
+    power of two; all where it has fewer blocks)."""
+    return bj if all_keys else min(triton.next_power_of_2(cfg.n_selected), bj)
 
 
 class Workspace:
@@ -944,7 +950,7 @@ def top_n_of(score, pos, idx, cfg: NSAConfig, *, keep_all: bool = False) -> None
     them (``keep_all``: the step above ``EARLY_TRIGGER_ROWS``), then ``top_n``."""
     BG, NBP = score.shape
     bj = min(NBP, SCORE_BLOCKS)
-    kc = bj if keep_all else min(triton.next_power_of_2(cfg.n_selected), bj)
+    kc = kept_keys(cfg, bj, keep_all)
     cand = torch.empty(BG, NBP // bj * kc, device=score.device, dtype=torch.int64)
     _candidates_kernel[(BG, NBP // bj)](score, pos, cand, G=idx.shape[1], NBP=NBP, BLOCK=cfg.block_size, BJ=bj,
                                         KC=kc)

@@ -47,20 +47,15 @@ _diverted = threading.local()
 
 
 def _targets() -> list[DispatchLog]:
+    """The logs a note goes to. Empty (a user's decode loop: three notes a call), a note returns before the
+    lock; a capture starting meanwhile on another thread misses it, as it would have after the lock."""
     log = getattr(_diverted, "log", None)
     return _logs if log is None else [log]
 
 
-def _heard() -> bool:
-    """Whether any log would take a note now. Without one (a user's decode loop) a note returns before
-    the lock: three notes a decode call. (A capture starting meanwhile on another thread misses the note
-    as it would have after the lock.)"""
-    return bool(_logs) or getattr(_diverted, "log", None) is not None
-
-
 def note(phase: str, branch: str, backend: str) -> None:
     """Called by every branch implementation when it actually runs."""
-    if not _heard():
+    if not _targets():
         return
     with _lock:
         for log in _targets():
@@ -69,7 +64,7 @@ def note(phase: str, branch: str, backend: str) -> None:
 
 def decided(phase: str, branch: str, backend: str, reason: str, query: str) -> None:
     """Called by the routing policy for each decision, so a run records what it was asked and chose."""
-    if not _heard():
+    if not _targets():
         return
     with _lock:
         for log in _targets():
@@ -130,7 +125,7 @@ def diverted() -> Iterator[DispatchLog]:
 
 def replay(log: DispatchLog) -> None:
     """Note again what ``log`` holds: the work it recorded ran once more (a CUDA graph's replay)."""
-    if not _heard():
+    if not _targets():
         return
     with _lock:
         for outer in _targets():

@@ -58,11 +58,12 @@ def hold(path: str, exclusive: bool, what: str = ""):
 def _holds(log_path: str) -> list[dict]:
     """A hold log's lines (a line cut short by a killed process skipped)."""
     rows = []
-    for line in open(log_path, errors="replace"):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
     return [r for r in rows if isinstance(r, dict) and {"t0", "t1", "exclusive", "what"} <= r.keys()]
 
 
