@@ -76,12 +76,12 @@ PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
-# software-pipelining stages of a partial program's tile loop: 3 on Hopper (sm90, where measured) for 16-bit caches
-# whose plan gives a compressed program DEEP_TILES tiles or more (the capacity's: ``_cmp_split`` may walk fewer), 2
-# elsewhere. H200, B=16, 2x caches, 3 vs 2: 84.2 vs 93.6 us at 64k, 132.4 vs 158.2 at 128k; 42.1 vs 39.7 at 4k, 45.7
-# vs 44.1 at 8k (2-4 tiles), 51.8 vs 50.8-51.0 at 16k (8 tiles, 4 walked); B=4 64k (8 tiles) 36.5 vs 37.3. 4 stages
-# or 8 warps were slower. fp32 tiles with 3 stages outgrow the shared memory (window + selection: ~340 KB). 2 was
-# the H100's when both partial launches ran one kernel (docs/decisions.md)
+# software-pipelining stages of a partial program's tile loop: 3 on Hopper (sm90, where measured) for 16-bit caches,
+# 2 elsewhere; the compressed programs take 3 only where the plan gives one DEEP_TILES tiles or more (the capacity's:
+# ``_cmp_split`` may walk fewer). H200, B=16, 2x caches, 3 vs 2: 84.2 vs 93.6 us at 64k, 132.4 vs 158.2 at 128k;
+# 4 stages or 8 warps were slower. The window + selection programs take 3 at any tiles: one loop, a pipeline of 90 KB
+# of shared memory, two programs an SM (B=16 4k 38.2 vs 44.5 with 2). fp32 tiles with 3 stages outgrow the shared
+# memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
@@ -359,45 +359,48 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
     qa, qb, m_i, l_i, acc, cnt = _partial_start(Q, b, g, sqb, sqh, H_PER_G, DK, BH, BN, BDA, BDB, BDV)
-    if is_win:
-        lo = tl.maximum(t - WINDOW + 1, 0)
-        for ti in tl.range(WIN_TILES, num_stages=STAGES):
-            kpos = lo + ((c - C_CMP) * WIN_TILES + ti) * BN + offs_n
-            valid = kpos <= t
-            kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
-            vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            if WIN_NOWAIT:
-                # token t's k/v from the new token's buffer, so that no read depends on this step's append.
-                # (By the chain in ``_grid_dependency`` the compressed launch has finished when this launch
-                # starts, but this program never waits to be shown its writes.)
-                kp = tl.where(kpos == t, KN + (b * G + g) * DK, kp)
-                vp = tl.where(kpos == t, VN + (b * G + g) * DV, vp)
-            m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
-                                        DK, DV, BDA, BDB, PREC, True)
-            cnt += valid.to(tl.int32)
-    else:
-        # (the chunk's block numbers loaded as one vector before the loop measured the same: docs/decisions.md)
-        for ti in tl.range(SEL_TILES, num_stages=STAGES):
-            # Two forms: one block a tile loads its block number once (a scalar); the general form, written for
-            # both, loads it per row and was slower at B=16 (docs/decisions.md)
-            if BPT == 1:
-                slot = (c - C_CMP - C_WIN) * SEL_TILES + ti
-                j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
-                kpos = j * BLOCK + offs_n
-                # j = −1 (an unused slot) <=> kpos < offs_n; slot >= n: past a ragged last chunk.
-                # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
-                valid = (offs_n < BLOCK) & (kpos >= offs_n) & (kpos <= t) & (offs_n + slot < offs_n + N_SEL)
-            else:
-                # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
-                slot = ((c - C_CMP - C_WIN) * SEL_TILES + ti) * BPT + offs_n // BLOCK
-                j = tl.load(IDX + b * sib + g * sig + tl.minimum(slot, N_SEL - 1))
-                kpos = j * BLOCK + offs_n % BLOCK
-                valid = (j >= 0) & (kpos <= t) & (slot < N_SEL)
-            kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
-            vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
-            m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
-                                        DK, DV, BDA, BDB, PREC, True)
-            cnt += valid.to(tl.int32)
+    # One tile loop for both kinds of program, its keys chosen per tile: two loops, each software-pipelined, took
+    # a pipeline's shared memory each (170 KB a program: one program an SM; docs/decisions.md)
+    lo = tl.maximum(t - WINDOW + 1, 0)
+    w0 = lo + (c - C_CMP) * WIN_TILES * BN            # a window program's first token
+    s0 = (c - C_CMP - C_WIN) * SEL_TILES              # a selection program's first slot
+    # a window program does not wait for the top-n that writes the block numbers: it reads its row's position in
+    # their place (the value unused). (A pointer chosen, not a masked load: Triton 3.9's interpreter rejects a
+    # scalar mask.)
+    sel_row = IDX + b * sib + g * sig
+    is_sel = c >= C_CMP + C_WIN
+    win_n = c + 0 * offs_n < C_CMP + C_WIN            # is_win as a vector (the interpreter: scalar masks)
+    for ti in tl.range(0, tl.where(is_win, WIN_TILES, SEL_TILES), num_stages=STAGES):
+        kw = w0 + ti * BN + offs_n
+        if BPT == 1:
+            # one block a tile loads its block number once (a scalar): the general form, written for both, loads
+            # it per row and was slower at B=16 (docs/decisions.md)
+            slot = s0 + ti
+            j = tl.load(tl.where(is_sel, sel_row + tl.minimum(slot, N_SEL - 1), POS + b))
+            ks = j * BLOCK + offs_n
+            # j = −1 (an unused slot) <=> ks < offs_n; slot >= n: past a ragged last chunk.
+            # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
+            ok_s = (offs_n < BLOCK) & (ks >= offs_n) & (offs_n + slot < offs_n + N_SEL)
+        else:
+            # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
+            slot = (s0 + ti) * BPT + offs_n // BLOCK
+            j = tl.load(tl.where(is_sel, sel_row + tl.minimum(slot, N_SEL - 1), POS + b))
+            ks = j * BLOCK + offs_n % BLOCK
+            ok_s = (j >= 0) & (slot < N_SEL)
+        kpos = tl.where(win_n, kw, ks)
+        valid = (kpos <= t) & (win_n | ok_s)
+        kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
+        vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+        if WIN_NOWAIT:
+            # a window program takes token t's k/v from the new token's buffer, so that no read depends on this
+            # step's append. (By the chain in ``_grid_dependency`` the compressed launch has finished when this
+            # launch starts, but a window program never waits to be shown its writes.)
+            own = win_n & (kpos == t)
+            kp = tl.where(own, KN + (b * G + g) * DK, kp)
+            vp = tl.where(own, VN + (b * G + g) * DV, vp)
+        m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
+                                    DK, DV, BDA, BDB, PREC, True)
+        cnt += valid.to(tl.int32)
     _grid_release(GDC)
     _partial_store(PM, PL, PACC, PCNT, (bg * NC + c).to(tl.int64), m_i, l_i, acc, cnt, BH, BDV, True)
 
@@ -691,8 +694,8 @@ def _capability(device) -> tuple[int, int] | None:
 
 
 def _stages(device, dtype: torch.dtype, cmp_tiles: int) -> int:
-    """The partial launches' pipeline stages (``PARTIAL_STAGES``) for a cache of ``dtype`` whose plan
-    gives a compressed program ``cmp_tiles`` tiles."""
+    """A partial launch's pipeline stages (``PARTIAL_STAGES``) for a cache of ``dtype`` whose plan
+    gives a compressed program ``cmp_tiles`` tiles (the window + selection launch: DEEP_TILES)."""
     cap = _capability(device)
     deep = cap is not None and cap[0] == 9 and dtype.itemsize == 2 and cmp_tiles >= DEEP_TILES
     return PARTIAL_STAGES_SM90 if deep else PARTIAL_STAGES
@@ -757,7 +760,8 @@ class Plan:
     score_warps: int           # warps of a scoring program (``_launch_shape``)
     merge_cols: int            # d_v columns of a merge program
     n_sm: int                  # the device's SMs (``_cmp_split`` splits for them at every position)
-    stages: int                # software-pipelining stages of both partial launches' tile loops (``PARTIAL_STAGES``)
+    stages: int                # software-pipelining stages of the compressed programs' tile loop (``PARTIAL_STAGES``)
+    win_stages: int            # and of the window + selection programs' (3 on sm90 for 16-bit caches at any tiles)
     score_blocks: int          # selection blocks one scoring program scores (``SCORE_BLOCKS``)
     # top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n under the early trigger (B·G ≤
     # EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of them above it (a top-k
@@ -798,7 +802,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), bj,
+                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
                 kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS))
 
 
@@ -901,7 +905,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
             q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, *qs, *ks, *vs, ws.idx.stride(0),
             ws.idx.stride(1), scale_log2, lo, p.C_CMP, p.C_WIN, p.NC, WINDOW=cfg.window, N_SEL=cfg.n_selected,
             WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait,
-            **common)
+            **dict(common, STAGES=p.win_stages))
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,

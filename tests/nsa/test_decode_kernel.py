@@ -361,8 +361,11 @@ def test_module_decode_on_the_kernel_matches_oracle_rows_and_counts_reads(monkey
     ids=["sm90-bf16-16tiles", "sm90-fp16-8tiles", "sm90-bf16-4tiles", "sm90-fp32", "sm100", "sm80"])
 def test_partial_launches_pipeline_three_stages_only_where_measured(cap, dtype, tiles, want, monkeypatch):
     """3 stages where they were measured faster (Hopper, 16-bit caches, compressed programs of DEEP_TILES
-    tiles or more); fp32 tiles would outgrow the shared memory, other GPUs were not measured; the CPU: 2."""
+    tiles or more, window + selection programs of any); fp32 tiles would outgrow the shared memory, other GPUs
+    were not measured; the CPU: 2."""
     from kernels import decode
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cap)
     assert decode._stages("cuda", dtype, tiles) == want
     assert decode._stages("cpu", dtype, tiles) == decode.PARTIAL_STAGES
+    # the window + selection launch: 3 at any tiles where 3 are taken at all (sm90, 16-bit)
+    assert decode._stages("cuda", dtype, decode.DEEP_TILES) == (3 if cap[0] == 9 and dtype.itemsize == 2 else 2)
