@@ -370,6 +370,16 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     sel_row = IDX + b * sib + g * sig
     is_sel = c >= C_CMP + C_WIN
     win_n = c + 0 * offs_n < C_CMP + C_WIN            # is_win as a vector (the interpreter: scalar masks)
+    if WIN_NOWAIT:
+        # a window program takes token t's k/v from the new token's buffer, so that no read depends on this step's
+        # append. (By the chain in ``_grid_dependency`` the compressed launch has finished when this launch starts,
+        # but a window program never waits to be shown its writes.) Its rows are addressed from the cache's pointer,
+        # their offset blended in by a product: chosen by a select (of pointers or offsets), Triton 3.8 and 3.9 did
+        # not software-pipeline this loop (sm90 compiles: no cp.async, spills; 3.6 did; docs/decisions.md). The host
+        # checks the offset is a whole number of 16-element pieces (``decode_attention``'s nowait)
+        ELEM: tl.constexpr = K.dtype.element_ty.primitive_bitwidth // 8
+        kn_at = tl.multiple_of((KN.to(tl.int64) - K.to(tl.int64)) // ELEM, 16) + (b * G + g) * DK
+        vn_at = tl.multiple_of((VN.to(tl.int64) - V.to(tl.int64)) // ELEM, 16) + (b * G + g) * DV
     for ti in tl.range(0, tl.where(is_win, WIN_TILES, SEL_TILES), num_stages=STAGES):
         kw = w0 + ti * BN + offs_n
         if BPT == 1:
@@ -389,15 +399,14 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
             ok_s = (j >= 0) & (slot < N_SEL)
         kpos = tl.where(win_n, kw, ks)
         valid = (kpos <= t) & (win_n | ok_s)
-        kp = K + b * skb + kpos.to(tl.int64) * skt + g * skg
-        vp = V + b * svb + kpos.to(tl.int64) * svt + g * svg
+        k_at = b * skb + kpos.to(tl.int64) * skt + g * skg
+        v_at = b * svb + kpos.to(tl.int64) * svt + g * svg
         if WIN_NOWAIT:
-            # a window program takes token t's k/v from the new token's buffer, so that no read depends on this
-            # step's append. (By the chain in ``_grid_dependency`` the compressed launch has finished when this
-            # launch starts, but a window program never waits to be shown its writes.)
             own = win_n & (kpos == t)
-            kp = tl.where(own, KN + (b * G + g) * DK, kp)
-            vp = tl.where(own, VN + (b * G + g) * DV, vp)
+            k_at += own.to(tl.int64) * (kn_at - k_at)
+            v_at += own.to(tl.int64) * (vn_at - v_at)
+        kp = K + k_at
+        vp = V + v_at
         m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                     DK, DV, BDA, BDB, PREC, True)
         cnt += valid.to(tl.int32)
@@ -871,12 +880,16 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # the new token's buffer, of the cache's dtype) and selection programs of the same launch wait: the merge after
     # it reads the compressed partials before its own wait (CMP_EARLY). Only then does the top-n, above
     # EARLY_TRIGGER_ROWS, let that launch go before its own wait (GDC 4): otherwise its programs would only sit waiting.
+    kn, vn = (a.contiguous() for a in append) if fused else (q, q)
+    # (the window programs address the new token's rows from the cache's pointer: a whole number of 16-element
+    # pieces away, ``_winsel_partial_kernel``)
     nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
-              and append[0].dtype == k.dtype and append[1].dtype == v.dtype)
+              and kn.dtype == k.dtype and vn.dtype == v.dtype
+              and (kn.data_ptr() - k.data_ptr()) % (16 * k.element_size()) == 0
+              and (vn.data_ptr() - v.data_ptr()) % (16 * v.element_size()) == 0)
     topn_pdl = dict(pdl, GDC=4 if nowait and p.gdc == 3 else p.gdc)
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
-    kn, vn = (a.contiguous() for a in append) if fused else (q, q)
     qs, ks, vs = (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1),
                                                                                         v.stride(2))
     scale_log2 = cfg.scale * LOG2E

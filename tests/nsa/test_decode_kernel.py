@@ -115,6 +115,32 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums)
         _against_oracle_row(r, q, cache, t, dtype, oracle)
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="a GPU with programmatic dependent launch runs this path in the test above")
+@pytest.mark.parametrize("gdc", [2, 3], ids=["early-trigger", "late-trigger"])
+@pytest.mark.parametrize("t", [CFG.window, 99])
+def test_window_programs_that_do_not_wait_take_the_new_token_from_its_buffer(t, gdc, layer, tiles, monkeypatch):
+    """The step as Hopper runs it (``WIN_NOWAIT``: the window programs start without waiting and take token t's
+    k/v from the new token's buffer, addressed from the cache's pointer), here under the interpreter: the
+    programmatic-dependent-launch mode forced on and its waits made no-ops (the interpreter runs the launches
+    one after another). The oracle's blocks, outputs and reads, as in the test above."""
+    import triton.language as tl
+    from kernels import decode
+    monkeypatch.setattr(decode, "_gdc", lambda device, rows: gdc)
+    monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **k: None)
+    monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **k: None)
+    seen, real = [], decode._winsel_partial_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["WIN_NOWAIT"])
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(decode, "_winsel_partial_kernel", Spy())
+    test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, "sums-reshaped")
+    assert seen == [False, True]          # decode_attention on a cache holding t waits; DecodeStep's append: not
+
+
 @pytest.mark.parametrize("d_k, d_v, cmp_tile", [(24, 8, 64), (48, 16, 32), (16, 8, 16)],
                          ids=["dk24-split16+16-tile64", "dk48-split32+16-tile32", "dk16-tile16"])
 def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatch):
