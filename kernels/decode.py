@@ -364,8 +364,8 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     lo = tl.maximum(t - WINDOW + 1, 0)
     w0 = lo + (c - C_CMP) * WIN_TILES * BN            # a window program's first token
     s0 = (c - C_CMP - C_WIN) * SEL_TILES              # a selection program's first slot
-    # a window program does not wait for the top-n that writes the block numbers: it reads its row's position in
-    # their place (the value unused). (A pointer chosen, not a masked load: Triton 3.9's interpreter rejects a
+    # a window program reads no block number (under WIN_NOWAIT it does not wait for the top-n that writes them): it
+    # reads its row's position in their place (the value unused). (A pointer chosen, not a masked load: Triton 3.9's interpreter rejects a
     # scalar mask.)
     sel_row = IDX + b * sib + g * sig
     is_sel = c >= C_CMP + C_WIN
@@ -377,9 +377,10 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
         # their offset blended in by a product: chosen by a select (of pointers or offsets), Triton 3.8 and 3.9 did
         # not software-pipeline this loop (sm90 compiles: no cp.async, spills; 3.6 did; docs/decisions.md). The host
         # checks the offset is a whole number of 16-element pieces (``decode_attention``'s nowait)
-        ELEM: tl.constexpr = K.dtype.element_ty.primitive_bitwidth // 8
-        kn_at = tl.multiple_of((KN.to(tl.int64) - K.to(tl.int64)) // ELEM, 16) + (b * G + g) * DK
-        vn_at = tl.multiple_of((VN.to(tl.int64) - V.to(tl.int64)) // ELEM, 16) + (b * G + g) * DV
+        K_BYTES: tl.constexpr = K.dtype.element_ty.primitive_bitwidth // 8
+        V_BYTES: tl.constexpr = V.dtype.element_ty.primitive_bitwidth // 8
+        kn_at = tl.multiple_of((KN.to(tl.int64) - K.to(tl.int64)) // K_BYTES, 16) + (b * G + g) * DK
+        vn_at = tl.multiple_of((VN.to(tl.int64) - V.to(tl.int64)) // V_BYTES, 16) + (b * G + g) * DV
     for ti in tl.range(0, tl.where(is_win, WIN_TILES, SEL_TILES), num_stages=STAGES):
         kw = w0 + ti * BN + offs_n
         if BPT == 1:
@@ -872,17 +873,17 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # (C_CMP: a constexpr of the scorer and the merge, a plain argument of the compressed launch)
     split = dict(CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride, CMP_TILES=p.cmp_tiles,
                  HALVINGS=p.cmp_tiles.bit_length() - 1)
-    # what both partial launches take as constexprs (the chunk counts they take as plain arguments)
+    # what both partial launches take as constexprs (the chunk counts they take as plain arguments; the window +
+    # selection launch its own STAGES)
     common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB,
                   BDV=p.BDV, PREC=precision(q.dtype), STAGES=p.stages, num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
     # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from
-    # the new token's buffer, of the cache's dtype) and selection programs of the same launch wait: the merge after
-    # it reads the compressed partials before its own wait (CMP_EARLY). Only then does the top-n, above
+    # the new token's buffer, of the cache's dtype, a whole number of 16-element pieces from the cache's pointer,
+    # from which they address it: ``_winsel_partial_kernel``) and selection programs of the same launch wait: the
+    # merge after it reads the compressed partials before its own wait (CMP_EARLY). Only then does the top-n, above
     # EARLY_TRIGGER_ROWS, let that launch go before its own wait (GDC 4): otherwise its programs would only sit waiting.
     kn, vn = (a.contiguous() for a in append) if fused else (q, q)
-    # (the window programs address the new token's rows from the cache's pointer: a whole number of 16-element
-    # pieces away, ``_winsel_partial_kernel``)
     nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
               and kn.dtype == k.dtype and vn.dtype == v.dtype
               and (kn.data_ptr() - k.data_ptr()) % (16 * k.element_size()) == 0

@@ -62,7 +62,7 @@ def _b16_entry() -> dict:
 
 def test_window_selection_kernel_pipelines_in_two_programs_an_sm():
     """Its tile loop copies tiles asynchronously (cp.async), without spilling, in at most half an H100/H200
-    SM's shared memory (228 KB), so that two programs run on each SM."""
+    SM's shared memory, so that two programs run on each SM. (One launch, the one the B=16 bars rest on.)"""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_b16_entry())], capture_output=True,
                          text=True, cwd=ROOT, env=env, timeout=600)
@@ -71,6 +71,7 @@ def test_window_selection_kernel_pipelines_in_two_programs_an_sm():
     if "skip" in out:
         pytest.skip(out["skip"])
     assert out["cp_async"] > 0, f"the tile loop is not software-pipelined: {out}"
-    assert out["shared"] <= 114 * 1024, f"more shared memory than two programs an SM allow: {out}"
+    # two programs an SM: 228 KB, less 1 KB the driver reserves for each
+    assert out["shared"] <= 113 * 1024, f"more shared memory than two programs an SM allow: {out}"
     if out["usage"] is not None:        # (a Triton wheel without cuobjdump: the spills go unchecked)
         assert "STACK:0 " in out["usage"], f"registers spill: {out}"

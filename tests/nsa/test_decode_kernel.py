@@ -88,7 +88,7 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums)
     the bench and graph-captured decoding run it: the compressed launch appends the token, the step after
     it reads it. Each: the oracle's blocks, outputs and reads; the append: the token written. (On Hopper
     the window programs then take token t from the new token's buffer without waiting,
-    ``kernels.decode.WIN_NOWAIT``: the GPU suite's parity cases run that path.)"""
+    ``kernels.decode.WIN_NOWAIT``; here the test below runs that path.)"""
     from kernels.decode import DecodeStep, decode_attention
     m, x, dtype = layer
     with torch.no_grad():
@@ -117,28 +117,46 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums)
 
 @pytest.mark.skipif(DEV == "cuda", reason="a GPU with programmatic dependent launch runs this path in the test above")
 @pytest.mark.parametrize("gdc", [2, 3], ids=["early-trigger", "late-trigger"])
-@pytest.mark.parametrize("t", [CFG.window, 99])
+@pytest.mark.parametrize("t", [0, CFG.cmp_len - 1, CFG.window, 99])
 def test_window_programs_that_do_not_wait_take_the_new_token_from_its_buffer(t, gdc, layer, tiles, monkeypatch):
     """The step as Hopper runs it (``WIN_NOWAIT``: the window programs start without waiting and take token t's
     k/v from the new token's buffer, addressed from the cache's pointer), here under the interpreter: the
     programmatic-dependent-launch mode forced on and its waits made no-ops (the interpreter runs the launches
-    one after another). The oracle's blocks, outputs and reads, as in the test above."""
+    one after another). The oracle's blocks, outputs and reads, as in the test above. Then, since here the
+    cache already holds token t when the window programs run, the same step with the window + selection launch
+    given another new-token buffer: the window's output moves (its token t is the buffer's), the other
+    branches' do not (the selection's token t is the cache's, the compressed launch appended it)."""
     import triton.language as tl
     from kernels import decode
+    from kernels.decode import DecodeStep
     monkeypatch.setattr(decode, "_gdc", lambda device, rows: gdc)
     monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **k: None)
     monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **k: None)
-    seen, real = [], decode._winsel_partial_kernel
+    seen, other, real = [], [], decode._winsel_partial_kernel
 
     class Spy:
         def __getitem__(self, grid):
-            def launch(*args, **kwargs):
+            def launch(q, k, v, kn, vn, *args, **kwargs):
                 seen.append(kwargs["WIN_NOWAIT"])
-                return real[grid](*args, **kwargs)
+                if other:
+                    kn, vn = 2 * kn + 1, 2 * vn + 1
+                return real[grid](q, k, v, kn, vn, *args, **kwargs)
             return launch
     monkeypatch.setattr(decode, "_winsel_partial_kernel", Spy())
     test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, "sums-reshaped")
     assert seen == [False, True]          # decode_attention on a cache holding t waits; DecodeStep's append: not
+    m, x, dtype = layer
+    with torch.no_grad():
+        q, cache = _cache_at(m, x, t, dtype)
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        k_t, v_t = cache.k[:, t].clone(), cache.v[:, t].clone()
+        step = DecodeStep(CFG, cache)
+        same = {br: o.clone() for br, o in step(q, k_t, v_t, pos=pos).out.items()}
+        other.append(True)
+        moved = step(q, k_t, v_t, pos=pos).out
+    assert seen[2:] == [True, True]
+    assert not torch.equal(moved["win"], same["win"])
+    assert torch.equal(moved["sel"], same["sel"]) and torch.equal(moved["cmp"], same["cmp"])
 
 
 @pytest.mark.parametrize("d_k, d_v, cmp_tile", [(24, 8, 64), (48, 16, 32), (16, 8, 16)],
