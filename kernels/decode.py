@@ -359,8 +359,8 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
     qa, qb, m_i, l_i, acc, cnt = _partial_start(Q, b, g, sqb, sqh, H_PER_G, DK, BH, BN, BDA, BDB, BDV)
-    # One tile loop for both kinds of program, its keys chosen per tile: two loops, each software-pipelined, took
-    # a pipeline's shared memory each (170 KB a program: one program an SM; docs/decisions.md)
+    # One tile loop for both kinds of program, its keys chosen per tile: under Triton 3.6 two loops, each
+    # software-pipelined, took a pipeline's shared memory each (170 KB a program: one program an SM; docs/decisions.md)
     lo = tl.maximum(t - WINDOW + 1, 0)
     w0 = lo + (c - C_CMP) * WIN_TILES * BN            # a window program's first token
     s0 = (c - C_CMP - C_WIN) * SEL_TILES              # a selection program's first slot
