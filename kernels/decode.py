@@ -365,10 +365,9 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     w0 = lo + (c - C_CMP) * WIN_TILES * BN            # a window program's first token
     s0 = (c - C_CMP - C_WIN) * SEL_TILES              # a selection program's first slot
     # a window program reads no block number (under WIN_NOWAIT it does not wait for the top-n that writes them): it
-    # reads its row's position in their place (the value unused). (A pointer chosen, not a masked load: Triton 3.9's interpreter rejects a
-    # scalar mask.)
+    # reads its row's position in their place, the value unused (a pointer chosen, not a masked load: Triton 3.9's
+    # interpreter rejects a scalar mask)
     sel_row = IDX + b * sib + g * sig
-    is_sel = c >= C_CMP + C_WIN
     win_n = c + 0 * offs_n < C_CMP + C_WIN            # is_win as a vector (the interpreter: scalar masks)
     if WIN_NOWAIT:
         # a window program takes token t's k/v from the new token's buffer, so that no read depends on this step's
@@ -387,7 +386,7 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
             # one block a tile loads its block number once (a scalar): the general form, written for both, loads
             # it per row and was slower at B=16 (docs/decisions.md)
             slot = s0 + ti
-            j = tl.load(tl.where(is_sel, sel_row + tl.minimum(slot, N_SEL - 1), POS + b))
+            j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
             ks = j * BLOCK + offs_n
             # j = −1 (an unused slot) <=> ks < offs_n; slot >= n: past a ragged last chunk.
             # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
@@ -395,7 +394,7 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
         else:
             # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
             slot = (s0 + ti) * BPT + offs_n // BLOCK
-            j = tl.load(tl.where(is_sel, sel_row + tl.minimum(slot, N_SEL - 1), POS + b))
+            j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
             ks = j * BLOCK + offs_n % BLOCK
             ok_s = (j >= 0) & (slot < N_SEL)
         kpos = tl.where(win_n, kw, ks)
