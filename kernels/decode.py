@@ -96,6 +96,13 @@ TWO_BLOCK_TILES = (9, 16)
 # [h, NBT] rows as the products by the 0/1 overlap matrix (two tf32 products of p's split, see the kernel), in plain
 # fp32 adds: faster than the products at every B measured, outputs bit-identical (docs/decisions.md)
 SUMS_BY_RESHAPE = True
+# The merge's compressed partials, where more than MERGE_GROUP chunks and B·G above EARLY_TRIGGER_ROWS: loaded and
+# merged MERGE_GROUP chunks at a time, only the groups that hold chunks in use at the position (``_merge_groups``).
+# Loaded all at once, a cache with room to grow costs the merge the capacity's chunks (masked loads): B=16 128k on a
+# 2x cache, 16 chunks of which 8 in use, took 2 us longer to merge than on a full cache. Groups of 4 were slower.
+# Below EARLY_TRIGGER_ROWS the merge loads the compressed partials before its wait, beside the window + selection
+# launch: one load of all, off the step's critical path (docs/decisions.md)
+MERGE_GROUP = 8
 SCORE_BLOCKS = 64              # selection blocks one scoring program covers
 TOPN_CHUNK = 1024             # keys the top-n ranks at a time (``_topn_kernel``)
 # compressed tokens per tile of the compressed partials (tiles of 128, of 32 with more stages, and the tile loop
@@ -275,12 +282,17 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
         # program per (row, KV head): it reads no raw token, and the window/selection launch after it does
         if c == 0:
             _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV)
+    # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
+    n_cmp, held, T, n_ch = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS,
+                                      C_CMP)
+    if c >= n_ch:
+        # a chunk past those in use (a cache with room to grow): no query loaded, no partial stored (the scorer and
+        # the merge read only the chunks in use)
+        return
     rows = tl.arange(0, BH)
     offs_n = tl.arange(0, BN)
     offs_dv = tl.arange(0, BDV)
     qa, qb, m_i, l_i, acc, cnt = _partial_start(Q, b, g, sqb, sqh, H_PER_G, DK, BH, BN, BDA, BDB, BDV)
-    # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
-    n_cmp, held, T, _ = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS, C_CMP)
     if WRITE_SCORES and not SUM_RESHAPE:
         # token i's span [i·d, i·d + l) overlaps block j iff i·d < (j+1)·l' and i·d + l > j·l'. Tiles
         # start on block boundaries, so the overlap of a tile's BN tokens with the NBT_P blocks from
@@ -563,7 +575,7 @@ def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi, CP: tl.constexpr,
+def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo, hi, CP: tl.constexpr,
                 NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
     """Chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]: (m [CP, BH], l [CP, BH],
     acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: at least hi − lo, a power of two."""
@@ -575,6 +587,29 @@ def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo: tl.constexpr, hi, CP:
     pl = tl.load(PL + part, mask=ok[:, None], other=0.0)
     acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0)
     return pm, pl, acc, tl.sum(tl.load(PCNT + out, mask=ok, other=0), 0)
+
+
+@triton.jit
+def _merge_groups(PM, PL, PACC, PCNT, bg, rows, offs_dv, hi, CG: tl.constexpr, NC: tl.constexpr, BH: tl.constexpr,
+                  BDV: tl.constexpr, BDV_S: tl.constexpr):
+    """Chunks [0, hi) as ``_merge_load``, CG at a time, each group merged into a running (max, normaliser, acc):
+    the form of ``_merge_load``'s output for one chunk (m [1, BH], l [1, BH], acc [1, BH, BDV_S], tokens read).
+    A program loads only the groups that hold chunks in use: in a cache with room to grow, not the capacity's."""
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BDV_S], tl.float32)
+    cnt = tl.full([], 0, tl.int32)
+    for lo in range(0, hi, CG):
+        pm, pl, pa, pc = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo, hi, CG, NC, BH, BDV)
+        M = tl.maximum(m, tl.max(pm, 0))
+        M0 = tl.where(M == float("-inf"), 0.0, M)
+        a = tl.exp2(m - M0)                                               # no key yet: 0
+        w = tl.exp2(pm - M0[None, :])
+        l = l * a + tl.sum(w * pl, 0)
+        acc = acc * a[:, None] + tl.sum(pa * w[:, :, None], 0)
+        m = M
+        cnt += pc
+    return m[None, :], l[None, :], acc[None, :, :], cnt
 
 
 @triton.jit
@@ -616,7 +651,7 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B, POS, n_sm,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr,
                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
                   HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False,
-                  CMP_MERGE_EARLY: tl.constexpr = False):
+                  CMP_MERGE_EARLY: tl.constexpr = False, CMP_GROUP: tl.constexpr = 0):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
     b = bg // G
@@ -643,7 +678,11 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B, POS, n_sm,
         # the compressed chunks in use at this position (``_cmp_split``); the rest were not written
         _, _, _, n_ch = _cmp_split(tl.load(POS + b), tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BNC, CMP_TILES,
                                    HALVINGS, C_CMP)
-        m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, n_ch, CP_CMP, NC, BH, BDV)
+        if CMP_GROUP == 0:
+            m_c, l_c, a_c, n_c = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, 0, n_ch, CP_CMP, NC, BH, BDV)
+        else:
+            m_c, l_c, a_c, n_c = _merge_groups(PM, PL, PACC, PCNT, bg, rows, offs_dv, n_ch, CMP_GROUP, NC, BH, BDV,
+                                               BDV_S)
         g_c = _gate_col(GATE, row, 0, head_ok, HAS_GATE)
         if CMP_MERGE_EARLY:
             # merged and stored before the wait as well: no launch of the step before this one reads what it writes
@@ -776,6 +815,8 @@ class Plan:
     # EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of them above it (a top-k
     # in each of the scorer's many programs cost more than the top-n saved: docs/decisions.md)
     cands: int
+    # compressed chunks the merge loads at a time (``_merge_groups``; 0: all C_CMP at once, ``MERGE_GROUP``)
+    merge_group: int
 
     @property
     def NC(self) -> int:
@@ -812,7 +853,13 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
                 *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS))
+                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS), merge_group(triton.cdiv(cmp_t, ct), B * G))
+
+
+def merge_group(c_cmp: int, rows: int) -> int:
+    """Compressed chunks the merge loads at a time (``Plan.merge_group``) for ``c_cmp`` chunks over ``rows`` = B·G:
+    MERGE_GROUP above EARLY_TRIGGER_ROWS where the chunks are more, else 0 (all at once)."""
+    return MERGE_GROUP if rows > EARLY_TRIGGER_ROWS and c_cmp > MERGE_GROUP else 0
 
 
 def kept_keys(cfg: NSAConfig, bj: int, all_keys: bool) -> int:
@@ -927,7 +974,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS, C_CMP=p.C_CMP,
-                         BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3, **split, **pdl)
+                         BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3,
+                         CMP_GROUP=p.merge_group, **split, **pdl)
     for br in branches:
         dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}

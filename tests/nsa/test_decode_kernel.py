@@ -186,8 +186,9 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
+@pytest.mark.parametrize("merge", ["merge-at-once", "merge-in-groups"])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
-def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
+def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypatch):
     """A cache allocated for more tokens than it holds (as a generation loop allocates it: capacity
     t + 1 + 64, 2·(t + 1), 4·(t + 1)) gives the step of a cache of exactly t + 1 tokens: the oracle's
     blocks, outputs within the tolerance rule and the formula's reads, each capacity on its own, since
@@ -197,8 +198,13 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
     half chunk while the keys fit in it, t ≤ 150) or of 4, so that the split, the groups and the chunks
     vary. The chunk is the top-n launch's alone (``top_n``): the step runs with chunks of 16, then its
     top-n again over chunks of 4 on the step's own candidate keys, which must give the oracle's blocks
-    too (the launches after it would then see the blocks they saw)."""
+    too (the launches after it would then see the blocks they saw). ``merge-in-groups``: the merge takes the
+    compressed partials a chunk at a time (``MERGE_GROUP`` 1, as a GPU does at B·G above EARLY_TRIGGER_ROWS by
+    groups of MERGE_GROUP), as many as are in use, whatever the capacity."""
     from kernels import decode
+    if merge == "merge-in-groups":
+        # (the rule's B·G bound aside: at this B·G the scoring programs keep their best n, which the test wants)
+        monkeypatch.setattr(decode, "merge_group", lambda c_cmp, rows: 1 if c_cmp > 1 else 0)
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
     monkeypatch.setattr(decode, "SCORE_BLOCKS", 8)
@@ -216,6 +222,7 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, monkeypatch):
             cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
             step = decode.DecodeStep(cfg, cache)
             assert step.plan.nbp >= cap // cfg.block_size
+            assert step.plan.merge_group == (1 if merge == "merge-in-groups" and step.plan.C_CMP > 1 else 0)
             kept_best |= step.plan.cands < step.plan.score_blocks
             oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
             with monkeypatch.context() as mp:
