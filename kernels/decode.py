@@ -41,9 +41,10 @@ the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t
 
 The grids are sized for the cache's capacity (a graph replays them at every position), the work for
 the tokens held: the compressed launch splits the compressed tokens at position t as it would split a
-full cache of t + 1 tokens (``_cmp_split``; its programs past them do nothing), the scorer scores only
+full cache of t + 1 tokens (``_cmp_split``; its programs past them return at once), the scorer scores only
 the blocks up to t's and the top-n ranks only the keys of the scoring programs that reach them, and the
-merge reads only the partials written. So a cache allocated with room to grow costs what a full one does.
+merge reads only the partials written (the compressed ones in groups, where a plan has many: ``MERGE_GROUP``).
+So a cache allocated with room to grow costs about what a full one does (docs/performance.md).
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
@@ -218,7 +219,7 @@ def _cmp_split(t, BG, n_sm, CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC
     cache's capacity, so that a cache with room to grow is split as a full one of t + 1 tokens: the
     ``_tiles_per_chunk`` rule on V (T halved from CMP_TILES, the capacity's, while fewer programs than
     SMs would run), and T at least V / C_CMP, so that the launch's C_CMP chunks cover V. The chunks
-    past those in use do nothing; the scorer and the merge read only those in use. BG: rows · KV heads."""
+    past those in use return at once; the scorer and the merge read only those in use. BG: rows · KV heads."""
     # compressed token i is usable iff i·d + l − 1 <= t
     n_cmp = tl.where(t + 1 >= CMP_LEN, (t + 1 - CMP_LEN) // CMP_STRIDE + 1, 0)
     V = (n_cmp + BNC - 1) // BNC
