@@ -840,6 +840,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     n_sm = sm_count(device)
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), triton.cdiv(cfg.n_selected, bpt)
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
+    c_cmp = triton.cdiv(cmp_t, ct)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
     tb = BNC * cfg.cmp_stride // cfg.block_size
     nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
@@ -851,10 +852,10 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     bj = min(nbp, SCORE_BLOCKS)
     return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected, nbp, BN, BNC,
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
-                ct, wt, st, triton.cdiv(cmp_t, ct), triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
+                ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
                 *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS), merge_group(triton.cdiv(cmp_t, ct), B * G))
+                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS), merge_group(c_cmp, B * G))
 
 
 def merge_group(c_cmp: int, rows: int) -> int:

@@ -222,13 +222,19 @@ def read(path) -> list[dict]:
     return sorted(out.values(), key=lambda e: e.get("at_s", 0))
 
 
-def warm(entry: dict) -> None:
-    """Compile ``entry``'s launch (into Triton's cache) without running it; raises what Triton or
-    the import raises when the line no longer fits the code."""
+def compiled(entry: dict):
+    """``entry``'s launch compiled (into Triton's cache) for the active driver's target, not loaded: Triton's
+    compiled kernel (its ``asm``, ``metadata``). Raises what Triton or the import raises when the line no
+    longer fits the code."""
     fn = _function(entry["fn"])
-    args = [_decode(a) for a in entry["args"]]
-    kwargs = {k: _decode(v) for k, v in entry["kwargs"].items()}
-    kernel = fn.warmup(*args, grid=(1,), **kwargs)
+    return fn.warmup(*[_decode(a) for a in entry["args"]], grid=(1,),
+                     **{k: _decode(v) for k, v in entry["kwargs"].items()})
+
+
+def warm(entry: dict) -> None:
+    """Compile ``entry``'s launch (into Triton's cache) without running it (``compiled``), and build what
+    its first launch would."""
+    kernel = compiled(entry)
     # the launcher (a C stub Triton builds per signature, gcc's seconds) and the module's load: what the
     # first real launch would do next; a Triton without them built them already or does not need to
     init = getattr(kernel, "_init_handles", None)

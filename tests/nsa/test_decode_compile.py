@@ -33,10 +33,7 @@ try:
 except Exception as e:
     print(json.dumps({"skip": f"this Triton cannot be told a target: {type(e).__name__}: {e}"})); sys.exit()
 from nsa_validate.suite import launches
-entry = json.loads(sys.argv[1])
-fn = launches._function(entry["fn"])
-kernel = fn.warmup(*[launches._decode(a) for a in entry["args"]], grid=(1,),
-                   **{k: launches._decode(v) for k, v in entry["kwargs"].items()})
+kernel = launches.compiled(json.loads(sys.argv[1]))
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 usage = None
 if os.path.exists(cuobjdump):
