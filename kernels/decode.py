@@ -338,12 +338,17 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
         first, n_t = c, 1
     else:
         first, n_t = c * T, tl.minimum(c * T + T, held) - c * T
+    # a tile is a run of BN compressed tokens: its row pointers are the run's first (a scalar a tile) plus offsets
+    # computed once, its rows those below a scalar bound (as the window + selection programs')
+    row_k = KC + b * skcb + g * skcg
+    row_v = VC + b * svcb + g * svcg
+    run_k = offs_n * skct
+    run_v = offs_n * svct
     for i in tl.range(0, n_t, num_stages=STAGES):
         ti = first + i
-        kpos = ti * BN + offs_n
-        valid = kpos < n_cmp
-        kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
-        vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
+        valid = offs_n < n_cmp - ti * BN
+        kp = row_k + (ti * BN).to(tl.int64) * skct + run_k
+        vp = row_v + (ti * BN).to(tl.int64) * svct + run_v
         m_i, l_i, acc, p, m_run = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                         DK, DV, BDA, BDB, PREC, WANT_V)
         if WRITE_SCORES:
