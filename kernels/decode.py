@@ -196,6 +196,38 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
 
 
 @triton.jit
+def _one_key(qa, qb, kp, vp, t, lo, hi, m_i, l_i, acc, cnt, scale_log2, DK: tl.constexpr, DV: tl.constexpr,
+             BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr):
+    """``_tile``'s update with one key, k at kp [d_k] and v at vp [d_v], where lo <= t < hi (the key in lane 0 of
+    l_i and cnt): its score and its share of acc in fp32 on the CUDA cores."""
+    offs_a = tl.arange(0, BDA)
+    offs_v = tl.arange(0, BDV)
+    offs_n = tl.arange(0, BN)
+    # (the condition as vectors: the interpreter mistypes masks built from loaded scalars)
+    ok_a = (lo + 0 * offs_a <= t) & (t < hi + 0 * offs_a)
+    ka = tl.load(kp + offs_a, mask=(offs_a < DK) & ok_a, other=0.0).to(tl.float32)
+    s = tl.sum(qa.to(tl.float32) * ka[None, :], 1)
+    if BDB > 0:
+        offs_b = BDA + tl.arange(0, BDB)
+        ok_b = (lo + 0 * offs_b <= t) & (t < hi + 0 * offs_b)
+        kb = tl.load(kp + offs_b, mask=(offs_b < DK) & ok_b, other=0.0).to(tl.float32)
+        s += tl.sum(qb.to(tl.float32) * kb[None, :], 1)
+    ok_v = (lo + 0 * offs_v <= t) & (t < hi + 0 * offs_v)
+    v = tl.load(vp + offs_v, mask=(offs_v < DV) & ok_v, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BH)
+    ok_h = (lo + 0 * rows <= t) & (t < hi + 0 * rows)
+    s = tl.where(ok_h, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    own = (offs_n == 0) & (lo + 0 * offs_n <= t) & (t < hi + 0 * offs_n)
+    l_i = l_i * alpha[:, None] + tl.where(own[None, :], p[:, None], 0.0)
+    acc = acc * alpha[:, None] + p[:, None] * v[None, :]
+    return m_new, l_i, acc, cnt + own.to(tl.int32)
+
+
+@triton.jit
 def _block_sums(p, BH: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr, CMP_LEN: tl.constexpr,
                 CMP_STRIDE: tl.constexpr):
     """A compressed tile's block sums by reshaping (``SUMS_BY_RESHAPE``): p [BH, TB · l'/d] (token i of the
@@ -306,12 +338,17 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
         first, n_t = c, 1
     else:
         first, n_t = c * T, tl.minimum(c * T + T, held) - c * T
+    # a tile is a run of BN compressed tokens: its row pointers are the run's first (a scalar a tile) plus offsets
+    # computed once, its rows those below a scalar bound (as the window + selection programs')
+    row_k = KC + b * skcb + g * skcg
+    row_v = VC + b * svcb + g * svcg
+    run_k = offs_n * skct
+    run_v = offs_n * svct
     for i in tl.range(0, n_t, num_stages=STAGES):
         ti = first + i
-        kpos = ti * BN + offs_n
-        valid = kpos < n_cmp
-        kp = KC + b * skcb + kpos.to(tl.int64) * skct + g * skcg
-        vp = VC + b * svcb + kpos.to(tl.int64) * svct + g * svcg
+        valid = offs_n < n_cmp - ti * BN
+        kp = row_k + (ti * BN).to(tl.int64) * skct + run_k
+        vp = row_v + (ti * BN).to(tl.int64) * svct + run_v
         m_i, l_i, acc, p, m_run = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                         DK, DV, BDA, BDB, PREC, WANT_V)
         if WRITE_SCORES:
@@ -382,47 +419,52 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     # interpreter rejects a scalar mask)
     sel_row = IDX + b * sib + g * sig
     win_n = c + 0 * offs_n < C_CMP + C_WIN            # is_win as a vector (the interpreter: scalar masks)
-    if WIN_NOWAIT:
-        # a window program takes token t's k/v from the new token's buffer, so that no read depends on this step's
-        # append. (By the chain in ``_grid_dependency`` the compressed launch has finished when this launch starts,
-        # but a window program never waits to be shown its writes.) Its rows are addressed from the cache's pointer,
-        # their offset blended in by a product: chosen by a select (of pointers or offsets), Triton 3.8 and 3.9 did
-        # not software-pipeline this loop (sm90 compiles: no cp.async, spills; 3.6 did; docs/decisions.md). The host
-        # checks the offset is a whole number of 16-element pieces (``decode_attention``'s nowait)
-        K_BYTES: tl.constexpr = K.dtype.element_ty.primitive_bitwidth // 8
-        V_BYTES: tl.constexpr = V.dtype.element_ty.primitive_bitwidth // 8
-        kn_at = tl.multiple_of((KN.to(tl.int64) - K.to(tl.int64)) // K_BYTES, 16) + (b * G + g) * DK
-        vn_at = tl.multiple_of((VN.to(tl.int64) - V.to(tl.int64)) // V_BYTES, 16) + (b * G + g) * DV
+    # Under WIN_NOWAIT a window program takes token t's k/v from the new token's buffer, so that no read depends on
+    # this step's append (by the chain in ``_grid_dependency`` the compressed launch has finished when this launch
+    # starts, but a window program never waits to be shown its writes): its tile loop stops at t − 1, and token t is
+    # one more key after it
+    t_loop = t - 1 if WIN_NOWAIT else t
+    # row b, KV head g of the caches. With one block a tile (BPT 1) a tile is a run of BN tokens from its first, so
+    # its row pointers are the run's first (a scalar a tile) plus offsets computed once, and its rows are those up to
+    # a scalar bound: a row pointer and mask computed per row cost about half the loop's instructions (docs/decisions.md)
+    row_k = K + b * skb + g * skg
+    row_v = V + b * svb + g * svg
+    run_k = offs_n * skt
+    run_v = offs_n * svt
     for ti in tl.range(0, tl.where(is_win, WIN_TILES, SEL_TILES), num_stages=STAGES):
-        kw = w0 + ti * BN + offs_n
         if BPT == 1:
             # one block a tile loads its block number once (a scalar): the general form, written for both, loads
             # it per row and was slower at B=16 (docs/decisions.md)
             slot = s0 + ti
             j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
-            ks = j * BLOCK + offs_n
-            # j = −1 (an unused slot) <=> ks < offs_n; slot >= n: past a ragged last chunk.
-            # (Written on vectors: the interpreter mistypes masks built from loaded scalars.)
-            ok_s = (offs_n < BLOCK) & (ks >= offs_n) & (offs_n + slot < offs_n + N_SEL)
+            first = tl.where(is_win, w0 + ti * BN, j * BLOCK)
+            # rows 0 .. last are read: a window tile's up to t (t − 1 under WIN_NOWAIT), a selection tile's up to t and
+            # within its block, none for an unused slot (j = −1) or past a ragged last chunk (slot >= n)
+            last = tl.where(is_win, t_loop - first,
+                            tl.where((j >= 0) & (slot < N_SEL), tl.minimum(t - first, BLOCK - 1), -1))
+            valid = offs_n <= last
+            kp = row_k + first.to(tl.int64) * skt + run_k
+            vp = row_v + first.to(tl.int64) * svt + run_v
         else:
             # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
+            kw = w0 + ti * BN + offs_n
             slot = (s0 + ti) * BPT + offs_n // BLOCK
             j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
             ks = j * BLOCK + offs_n % BLOCK
             ok_s = (j >= 0) & (slot < N_SEL)
-        kpos = tl.where(win_n, kw, ks)
-        valid = (kpos <= t) & (win_n | ok_s)
-        k_at = b * skb + kpos.to(tl.int64) * skt + g * skg
-        v_at = b * svb + kpos.to(tl.int64) * svt + g * svg
-        if WIN_NOWAIT:
-            own = win_n & (kpos == t)
-            k_at += own.to(tl.int64) * (kn_at - k_at)
-            v_at += own.to(tl.int64) * (vn_at - v_at)
-        kp = K + k_at
-        vp = V + v_at
+            kpos = tl.where(win_n, kw, ks)
+            valid = (kpos <= tl.where(win_n, t_loop, t)) & (win_n | ok_s)
+            kp = K + (b * skb + kpos.to(tl.int64) * skt + g * skg)
+            vp = V + (b * svb + kpos.to(tl.int64) * svt + g * svg)
         m_i, l_i, acc, _, _ = _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
                                     DK, DV, BDA, BDB, PREC, True)
         cnt += valid.to(tl.int32)
+    if WIN_NOWAIT:
+        if is_win:
+            # token t, in the window program whose run holds it: one more key, from KN/VN [B, G, d] (contiguous)
+            m_i, l_i, acc, cnt = _one_key(qa, qb, KN + (b * G + g) * DK, VN + (b * G + g) * DV, t, w0,
+                                          w0 + WIN_TILES * BN, m_i, l_i, acc, cnt, scale_log2, DK, DV, BH, BN, BDA,
+                                          BDB, BDV)
     _grid_release(GDC)
     _partial_store(PM, PL, PACC, PCNT, (bg * NC + c).to(tl.int64), m_i, l_i, acc, cnt, BH, BDV, True)
 
@@ -927,15 +969,13 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                   BDV=p.BDV, PREC=precision(q.dtype), STAGES=p.stages, num_warps=PARTIAL_WARPS, **pdl)
     fused = append is not None and bool(want & {"cmp", "sel"})
     # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from
-    # the new token's buffer, of the cache's dtype, a whole number of 16-element pieces from the cache's pointer,
-    # from which they address it: ``_winsel_partial_kernel``) and selection programs of the same launch wait: the
-    # merge after it reads the compressed partials before its own wait (CMP_EARLY). Only then does the top-n, above
-    # EARLY_TRIGGER_ROWS, let that launch go before its own wait (GDC 4): otherwise its programs would only sit waiting.
+    # the new token's buffer, of the cache's dtype, so that it is the value the cache holds: ``_winsel_partial_kernel``)
+    # and selection programs of the same launch wait: the merge after it reads the compressed partials before its own
+    # wait (CMP_EARLY). Only then does the top-n, above EARLY_TRIGGER_ROWS, let that launch go before its own wait
+    # (GDC 4): otherwise its programs would only sit waiting.
     kn, vn = (a.contiguous() for a in append) if fused else (q, q)
     nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
-              and kn.dtype == k.dtype and vn.dtype == v.dtype
-              and (kn.data_ptr() - k.data_ptr()) % (16 * k.element_size()) == 0
-              and (vn.data_ptr() - v.data_ptr()) % (16 * v.element_size()) == 0)
+              and kn.dtype == k.dtype and vn.dtype == v.dtype)
     topn_pdl = dict(pdl, GDC=4 if nowait and p.gdc == 3 else p.gdc)
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
