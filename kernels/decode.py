@@ -19,7 +19,7 @@ graph (the position is a device tensor; no shape depends on it):
    compressed partials into each head's softmax max M and normaliser L, rescales the tiles' block
    sums by exp2(their max − M) / L and sums them over the tiles that reach a block and over the h
    heads: the selection-block scores, turned into top-n keys (``_candidates``), of which each program
-   keeps its best n where B·G ≤ EARLY_TRIGGER_ROWS (all of them above); ``_topn_kernel`` (one program
+   keeps its best n; ``_topn_kernel`` (one program
    per (row · KV head)) takes the top n of those (block 0 and the two local blocks forced; ties to the
    lower index), written ascending and −1 padded: exactly docs/nsa.md.
 3. ``_winsel_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
@@ -854,9 +854,9 @@ class Plan:
     stages: int                # software-pipelining stages of the compressed programs' tile loop (``PARTIAL_STAGES``)
     win_stages: int            # and of the window + selection programs' (3 on sm90 for 16-bit caches at any tiles)
     score_blocks: int          # selection blocks one scoring program scores (``SCORE_BLOCKS``)
-    # top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n under the early trigger (B·G ≤
-    # EARLY_TRIGGER_ROWS: the top-n is a link of a short chain, and ranks fewer keys), all of them above it (a top-k
-    # in each of the scorer's many programs cost more than the top-n saved: docs/decisions.md)
+    # top-n keys a scoring program keeps of its blocks' (``_candidates``): its best n, so the top-n ranks n a group
+    # of blocks up to the new token's, not every block (at B=16 128k on a 2x cache 128.3 us against 132.0 keeping
+    # all; docs/decisions.md)
     cands: int
     # compressed chunks the merge loads at a time (``_merge_groups``; 0: all C_CMP at once, ``MERGE_GROUP``)
     merge_group: int
@@ -897,7 +897,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
                 *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-                kept_keys(cfg, bj, all_keys=B * G > EARLY_TRIGGER_ROWS), merge_group(c_cmp, B * G))
+                kept_keys(cfg, bj), merge_group(c_cmp, B * G))
 
 
 def merge_group(c_cmp: int, rows: int) -> int:
@@ -906,7 +906,7 @@ def merge_group(c_cmp: int, rows: int) -> int:
     return MERGE_GROUP if rows > EARLY_TRIGGER_ROWS and c_cmp > MERGE_GROUP else 0
 
 
-def kept_keys(cfg: NSAConfig, bj: int, all_keys: bool) -> int:
+def kept_keys(cfg: NSAConfig, bj: int, all_keys: bool = False) -> int:
     """Top-n keys a scoring program of ``bj`` blocks keeps (``_candidates``): all of them, or its best n (a
     power of two; all where it has fewer blocks)."""
     return bj if all_keys else min(triton.next_power_of_2(cfg.n_selected), bj)
@@ -1053,8 +1053,8 @@ def _candidates_kernel(SCORE, POS, CAND, G: tl.constexpr, NBP: tl.constexpr, BLO
 def top_n_of(score, pos, idx, cfg: NSAConfig, *, keep_all: bool = False) -> None:
     """The step's block selection from block scores given (the tests rank scores they set): score [B·G, NBP]
     fp32 (NBP a power of two), pos [B] int32 -> idx [B, G, n] int32, ranked as the step ranks its own: each
-    group of a scoring program's blocks (``SCORE_BLOCKS``) keeps its best keys (``_candidates``), or all of
-    them (``keep_all``: the step above ``EARLY_TRIGGER_ROWS``), then ``top_n``."""
+    group of a scoring program's blocks (``SCORE_BLOCKS``) keeps its best keys (``_candidates``), as the step's,
+    or all of them (``keep_all``: the top-n over every block), then ``top_n``."""
     BG, NBP = score.shape
     bj = min(NBP, SCORE_BLOCKS)
     kc = kept_keys(cfg, bj, keep_all)

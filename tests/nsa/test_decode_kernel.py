@@ -203,7 +203,7 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
     groups of MERGE_GROUP), as many as are in use, whatever the capacity."""
     from kernels import decode
     if merge == "merge-in-groups":
-        # (the rule's B·G bound aside: at this B·G the scoring programs keep their best n, which the test wants)
+        # (the rule's B·G bound aside)
         monkeypatch.setattr(decode, "merge_group", lambda c_cmp, rows: 1 if c_cmp > 1 else 0)
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
