@@ -157,9 +157,10 @@ def key(entry: dict) -> str:
 def compile_key(entry: dict) -> str:
     """What a line compiles to: ``key`` with each integer argument of a plain (not constexpr) parameter
     replaced by what Triton specialises it on (1, a multiple of 16, any other; any, where the parameter is
-    ``do_not_specialize``), each such float by its type and a tensor descriptor's shape and strides by the
-    same classes of their integers (its dtype and block shape kept), so that two lines of one compile_key
-    share a compile. ``key`` itself where the kernel does not import."""
+    ``do_not_specialize``), each such float by its type, and a tensor descriptor by what Triton specialises it
+    on: its dtype and block shape, not its shape or strides (Triton 3.6 and 3.8 alike:
+    ``tests/harness/test_prewarm.py``), so that two lines of one compile_key share a compile. ``key`` itself
+    where the kernel does not import."""
     try:
         order, const, plain = _parameters(entry["fn"])
     except Exception:                  # noqa: BLE001  a line the code has outgrown
@@ -174,7 +175,7 @@ def compile_key(entry: dict) -> str:
         if isinstance(v, int):
             return "int" if name in plain else integer(v)
         if isinstance(v, dict) and "descriptor" in v:
-            return {**v, **{f: [integer(x) for x in v[f]] for f in ("shape", "strides") if f in v}}
+            return {f: x for f, x in v.items() if f not in ("shape", "strides")}
         return "float" if isinstance(v, float) else v
     args = [spec(order[i] if i < len(order) else None, v) for i, v in enumerate(entry["args"])]
     kwargs = {k: spec(k, v) for k, v in entry["kwargs"].items()}

@@ -62,8 +62,8 @@ def test_read_keeps_each_launch_once_earliest_first_and_skips_a_cut_line(tmp_pat
 
 def test_a_launch_the_list_names_with_other_unspecialised_integers_is_not_unlisted(tmp_path):
     """The report's count of launches the list lacks is by compile: a stride Triton does not tell apart
-    (64 and 128, both multiples of 16) or a descriptor of another length is the list's compile; a stride
-    of another class (65), a stride of 1 or another constexpr is a compile of its own."""
+    (64 and 128, both multiples of 16) or a descriptor of another shape (a multiple of 16 or not) is the list's
+    compile; a stride of another class (65), a stride of 1 or another constexpr is a compile of its own."""
     t = {"tensor": "bfloat16", "aligned": True}
     desc = {"descriptor": "bfloat16", "shape": [8192, 4, 128], "strides": [512, 128, 1], "block_shape": [64, 1, 128]}
 
@@ -74,10 +74,36 @@ def test_a_launch_the_list_names_with_other_unspecialised_integers_is_not_unlist
     run = tmp_path / "kernels.jsonl"
     for line, lacked in ((append(128), 0), (append(65), 1), (append(1), 1), (append(64, G=2), 1),
                          ({"fn": "kernels.scoring:_score_topn_kernel", "args": [{**desc, "shape": [65536, 4, 128]}],
-                           "kwargs": {}}, 0)):
+                           "kwargs": {}}, 0),
+                         ({"fn": "kernels.scoring:_score_topn_kernel",
+                           "args": [{**desc, "shape": [1000, 4, 128], "strides": [520, 130, 1]}], "kwargs": {}}, 0),
+                         ({"fn": "kernels.scoring:_score_topn_kernel",
+                           "args": [{**desc, "block_shape": [32, 1, 128]}], "kwargs": {}}, 1)):
         run.write_text(json.dumps(line) + "\n")
         assert prewarm.unlisted(listed, run) == lacked, line
     assert launches.compile_key(append(64)) != launches.key(append(64))
+
+
+def test_triton_specialises_a_tensor_descriptor_on_its_dtype_and_block_shape_only():
+    """``launches.compile_key``'s model of a descriptor, asked of this Triton: descriptors of one dtype and block
+    shape but shapes and strides of every class (a multiple of 16 or not) specialise alike; another block shape
+    does not. (A run's count of launches its list lacks rests on it: one that specialised on the shape made a
+    list line of one length miss the run's launch of another, the kernel compiled all the same.)"""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError as e:
+        pytest.skip(f"this Triton has no native_specialize_impl to ask: {e}")
+
+    def spec(rows, stride, block):
+        base = torch.empty(rows, 32, 192, dtype=torch.bfloat16)
+        return native_specialize_impl(BaseBackend, TensorDescriptor(base, [rows, 32, 192], [stride, 192, 1], block),
+                                      False, True, True)
+    one = spec(1000, 6144, [64, 1, 128])
+    assert spec(2000, 6144, [64, 1, 128]) == one and spec(1001, 6400, [64, 1, 128]) == one
+    assert spec(1000, 6144, [32, 1, 128]) != one
 
 
 def test_warming_processes_report_lines_the_code_outgrew_and_leave_a_marker(tmp_path, monkeypatch):
