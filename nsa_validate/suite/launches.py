@@ -156,30 +156,36 @@ def key(entry: dict) -> str:
 
 def compile_key(entry: dict) -> str:
     """What a line compiles to: ``key`` with each integer argument of a plain (not constexpr) parameter
-    replaced by what Triton specialises it on (1, a multiple of 16, any other; any, where the parameter is
-    ``do_not_specialize``), each such float by its type, and a tensor descriptor by what Triton specialises it
-    on: its dtype and block shape, not its shape or strides (Triton 3.6 and 3.8 alike:
-    ``tests/harness/test_prewarm.py``), so that two lines of one compile_key share a compile. ``key`` itself
-    where the kernel does not import."""
+    replaced by what Triton specialises it on (its type, 32- or 64-bit by its value, and 1, a multiple of 16 or
+    any other; the type alone where the parameter is ``do_not_specialize``), each such float by its type, and a
+    tensor descriptor by its dtype and block shape, not its shape or strides: as Triton 3.6 and 3.8 specialise
+    them (``tests/harness/test_prewarm.py`` asks Triton), so that two lines of one compile_key share a compile.
+    ``key`` itself where the kernel does not import."""
     try:
         order, const, plain = _parameters(entry["fn"])
     except Exception:                  # noqa: BLE001  a line the code has outgrown
         return key(entry)
 
-    def integer(v: int) -> str:
-        return "1" if v == 1 else "int%16" if v % 16 == 0 else "int"
-
     def spec(name: str | None, v):
         if name is None or name in const or isinstance(v, bool):
             return v
         if isinstance(v, int):
-            return "int" if name in plain else integer(v)
+            return int_class(v, name not in plain)
         if isinstance(v, dict) and "descriptor" in v:
             return {f: x for f, x in v.items() if f not in ("shape", "strides")}
         return "float" if isinstance(v, float) else v
     args = [spec(order[i] if i < len(order) else None, v) for i, v in enumerate(entry["args"])]
     kwargs = {k: spec(k, v) for k, v in entry["kwargs"].items()}
     return json.dumps({"fn": entry["fn"], "args": args, "kwargs": kwargs}, sort_keys=True)
+
+
+def int_class(v: int, specialised: bool = True) -> str:
+    """What Triton compiles an integer argument as: 1 (a constant), else its type (i32 from −2³¹ to 2³¹ − 1, i64
+    above, u64 from 2⁶³) and, where ``specialised``, whether it is a multiple of 16."""
+    if specialised and v == 1:
+        return "1"
+    kind = "i32" if -2 ** 31 <= v < 2 ** 31 else "u64" if v >= 2 ** 63 else "i64"
+    return kind + ("%16" if specialised and v % 16 == 0 else "")
 
 
 @functools.lru_cache(maxsize=None)

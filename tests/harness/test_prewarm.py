@@ -84,6 +84,24 @@ def test_a_launch_the_list_names_with_other_unspecialised_integers_is_not_unlist
     assert launches.compile_key(append(64)) != launches.key(append(64))
 
 
+def test_integers_fall_in_the_classes_triton_compiles_them_in():
+    """``launches.int_class``, asked of this Triton: two integers share a class exactly where Triton
+    specialises them alike (1, multiples of 16, the others, each as 32- or 64-bit by value); unspecialised
+    (``do_not_specialize``), exactly where their types agree."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError as e:
+        pytest.skip(f"this Triton has no native_specialize_impl to ask: {e}")
+    values = [1, 0, 16, 32, -16, 17, 33, -1, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, 2 ** 31 + 1, 2 ** 40]
+    for specialised in (True, False):
+        triton_says = {v: native_specialize_impl(BaseBackend, v, False, specialised, True) for v in values}
+        for a in values:
+            for b in values:
+                assert (launches.int_class(a, specialised) == launches.int_class(b, specialised)) == \
+                    (triton_says[a] == triton_says[b]), (a, b, specialised, triton_says[a], triton_says[b])
+
+
 def test_triton_specialises_a_tensor_descriptor_on_its_dtype_and_block_shape_only():
     """``launches.compile_key``'s model of a descriptor, asked of this Triton: descriptors of one dtype and block
     shape but shapes and strides of every class (a multiple of 16 or not) specialise alike; another block shape
