@@ -101,7 +101,8 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
     # one row per (KV head, token the formula says is read): perturbed alone, the output must move
     todo = [(g, x) for g in range(G) for x in sorted(want[g])]
     silent = []
-    per_call = ROWS_PER_CALL_GPU if cache.k.is_cuda else ROWS_PER_CALL
+    gpu = cache.k.is_cuda
+    per_call = ROWS_PER_CALL_GPU if gpu else ROWS_PER_CALL
     # every call of a branch has the same rows (the last call's spare rows unperturbed): one batch
     # size, so the Triton decode step compiles once per branch, not once per chunk size (~3 s a
     # compile). On a GPU per_call + 1 at every step and position, so that all of a layer's checks
@@ -111,7 +112,7 @@ def check_step(run: Runner, cfg: NSAConfig, t: int, cache: DecodeCache, branch: 
     # rewound to before the step (the step writes token t, and a compressed token it completes,
     # before reading them, the same in every call); a fresh copy of the whole cache per call was
     # most of a CPU paper-layer case's time
-    c = copy_rows(cache, (per_call if cache.k.is_cuda else min(len(todo), per_call)) + 1)
+    c = copy_rows(cache, (per_call if gpu else min(len(todo), per_call)) + 1)
     for i in range(0, len(todo), per_call):
         part = todo[i:i + per_call]
         rows = torch.arange(1, len(part) + 1, device=c.k.device)

@@ -158,8 +158,8 @@ def compile_key(entry: dict) -> str:
     """What a line compiles to: ``key`` with each integer argument of a plain (not constexpr) parameter
     replaced by what Triton specialises it on (its type, 32- or 64-bit by its value, and 1, a multiple of 16 or
     any other; the type alone where the parameter is ``do_not_specialize``), each such float by its type, and a
-    tensor descriptor by its dtype and block shape, not its shape or strides: as Triton 3.6 and 3.8 specialise
-    them (``tests/harness/test_prewarm.py`` asks Triton), so that two lines of one compile_key share a compile.
+    tensor descriptor by its dtype and block shape, not its shape or strides: as Triton 3.6, 3.8 and 3.9
+    specialise them (``tests/harness/test_prewarm.py`` asks Triton), so that two lines of one compile_key share a compile.
     ``key`` itself where the kernel does not import."""
     try:
         order, const, plain = _parameters(entry["fn"])

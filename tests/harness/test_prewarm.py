@@ -84,18 +84,25 @@ def test_a_launch_the_list_names_with_other_unspecialised_integers_is_not_unlist
     assert launches.compile_key(append(64)) != launches.key(append(64))
 
 
-def test_integers_fall_in_the_classes_triton_compiles_them_in():
-    """``launches.int_class``, asked of this Triton: two integers share a class exactly where Triton
-    specialises them alike (1, multiples of 16, the others, each as 32- or 64-bit by value); unspecialised
-    (``do_not_specialize``), exactly where their types agree."""
+def _triton_specialises():
+    """Triton's own specialisation of an argument, (arg, specialise) -> what it compiles it as (the test skips
+    where this Triton has no ``native_specialize_impl`` to ask)."""
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
     except ImportError as e:
         pytest.skip(f"this Triton has no native_specialize_impl to ask: {e}")
+    return lambda arg, specialise=True: native_specialize_impl(BaseBackend, arg, False, specialise, True)
+
+
+def test_integers_fall_in_the_classes_triton_compiles_them_in():
+    """``launches.int_class``, asked of this Triton: two integers share a class exactly where Triton
+    specialises them alike (1, multiples of 16, the others, each as 32- or 64-bit by value); unspecialised
+    (``do_not_specialize``), exactly where their types agree."""
+    spec = _triton_specialises()
     values = [1, 0, 16, 32, -16, 17, 33, -1, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, 2 ** 31 + 1, 2 ** 40]
     for specialised in (True, False):
-        triton_says = {v: native_specialize_impl(BaseBackend, v, False, specialised, True) for v in values}
+        triton_says = {v: spec(v, specialised) for v in values}
         for a in values:
             for b in values:
                 assert (launches.int_class(a, specialised) == launches.int_class(b, specialised)) == \
@@ -109,16 +116,11 @@ def test_triton_specialises_a_tensor_descriptor_on_its_dtype_and_block_shape_onl
     list line of one length miss the run's launch of another, the kernel compiled all the same.)"""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
-    try:
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-    except ImportError as e:
-        pytest.skip(f"this Triton has no native_specialize_impl to ask: {e}")
+    triton_spec = _triton_specialises()
 
     def spec(rows, stride, block):
         base = torch.empty(rows, 32, 192, dtype=torch.bfloat16)
-        return native_specialize_impl(BaseBackend, TensorDescriptor(base, [rows, 32, 192], [stride, 192, 1], block),
-                                      False, True, True)
+        return triton_spec(TensorDescriptor(base, [rows, 32, 192], [stride, 192, 1], block))
     one = spec(1000, 6144, [64, 1, 128])
     assert spec(2000, 6144, [64, 1, 128]) == one and spec(1001, 6400, [64, 1, 128]) == one
     assert spec(1000, 6144, [32, 1, 128]) != one
