@@ -522,7 +522,7 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
             local = j - tau * TB
             ok = (tau >= 0) & (tau < held) & (local < NBT) & live_j
             at = (bg * NT + tau).to(tl.int64) * BH + hh
-            mt = tl.load(BMAX + at, mask=ok, other=0.0)
+            mt = tl.load(BMAX + at, mask=ok, other=float("-inf"))
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
     cand = _candidates(score, j, t // BLOCK, BJ, KC)
