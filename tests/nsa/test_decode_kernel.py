@@ -339,24 +339,27 @@ def test_top_n_writes_real_blocks_whatever_the_scores(chunk, monkeypatch, nb, n_
             assert {0, cur, max(cur - 1, 0)} <= set(blocks) and row[take:] == [-1] * (n_sel - take), (t, row)
 
 
-@pytest.mark.parametrize("t", [60, 199], ids=["t60-one-tile", "t199-two-tiles"])
-def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_zero(t):
+@pytest.mark.parametrize("t,later", [(120, True), (300, False)],
+                         ids=["t120-one-tile-later-keys-nearer", "t300-two-tiles-earlier-keys-nearer"])
+def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_zero(t, later):
     """The compressed keys all along one direction, q far along the opposite one, so that every scaled
-    logit is below -128 (in log2 units) and the softmax's max M is too; later keys a little less negative,
-    so the scores favour later blocks. The scorer rescales each tile's block sums by exp2(tile max - M):
-    a term of a tile that does not reach a block must add 0, not 0 times exp2(0 - M) = 0 * inf (NaN: the
-    block then ranked lowest, and the step picked block 1 where the oracle picks 10). fp32, the step's
-    blocks against the oracle's."""
+    logit is below -128 (in log2 units) and the softmax's max M is too; the keys' lengths ramp so that the
+    scores favour the later blocks (t=120: all 8 blocks in the first tile of compressed tokens) or the
+    earlier ones (t=300: blocks 0-15 in the first tile, 16-18 in the second). The scorer rescales each
+    tile's block sums by exp2(tile max - M): a term of a tile that does not reach a block must add 0, not
+    0 times exp2(0 - M) = 0 * inf (NaN: the block then ranked lowest, and the step picked another free
+    block than the oracle's). fp32, the step's blocks against the oracle's."""
     from kernels.decode import decode_attention
     B, G, dk = 1, CFG.n_kv_heads, CFG.d_k
     torch.manual_seed(7)
-    cache = DecodeCache(CFG, B, 200, device=DEV, dtype=torch.float32)
+    cache = DecodeCache(CFG, B, 320, device=DEV, dtype=torch.float32)
     N, u = CFG.n_cmp(t), torch.ones(dk, device=DEV)
-    k_cmp = (torch.linspace(1.0, 0.9, N, device=DEV)[:, None] * u)[None, :, None, :].expand(B, N, G, dk)
+    ramp = torch.linspace(1.0, 0.9, N, device=DEV) if later else torch.linspace(0.9, 1.0, N, device=DEV)
+    k_cmp = (ramp[:, None] * u)[None, :, None, :].expand(B, N, G, dk)
     cache.write_prefill(torch.randn(B, t + 1, G, dk, device=DEV), torch.randn(B, t + 1, G, CFG.d_v, device=DEV),
                         k_cmp.contiguous(), torch.randn(B, N, G, CFG.d_v, device=DEV))
     q = (-200.0 * u).expand(B, CFG.n_heads, dk).contiguous()
-    assert (q[0, 0] @ k_cmp[0, -1, 0]) * CFG.scale * 1.4427 < -128
+    assert (q[0, 0] @ k_cmp[0, :, 0].T).max() * CFG.scale * 1.4427 < -128
     pos = torch.full((B,), t, dtype=torch.int32, device=DEV)
     with torch.no_grad():
         r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG)
