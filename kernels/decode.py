@@ -196,6 +196,12 @@ def _tile(qa, qb, kp, vp, valid, m_i, l_i, acc, scale_log2, offs_dv,
 
 
 @triton.jit
+def _held(offs, t, lo, hi):
+    """lo <= t < hi, as a vector shaped like ``offs`` (the interpreter mistypes masks built from loaded scalars)."""
+    return (lo + 0 * offs <= t) & (t < hi + 0 * offs)
+
+
+@triton.jit
 def _one_key(qa, qb, kp, vp, t, lo, hi, m_i, l_i, acc, cnt, scale_log2, DK: tl.constexpr, DV: tl.constexpr,
              BH: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr):
     """``_tile``'s update with one key, k at kp [d_k] and v at vp [d_v], where lo <= t < hi (the key in lane 0 of
@@ -203,25 +209,19 @@ def _one_key(qa, qb, kp, vp, t, lo, hi, m_i, l_i, acc, cnt, scale_log2, DK: tl.c
     offs_a = tl.arange(0, BDA)
     offs_v = tl.arange(0, BDV)
     offs_n = tl.arange(0, BN)
-    # (the condition as vectors: the interpreter mistypes masks built from loaded scalars)
-    ok_a = (lo + 0 * offs_a <= t) & (t < hi + 0 * offs_a)
-    ka = tl.load(kp + offs_a, mask=(offs_a < DK) & ok_a, other=0.0).to(tl.float32)
+    ka = tl.load(kp + offs_a, mask=(offs_a < DK) & _held(offs_a, t, lo, hi), other=0.0).to(tl.float32)
     s = tl.sum(qa.to(tl.float32) * ka[None, :], 1)
     if BDB > 0:
         offs_b = BDA + tl.arange(0, BDB)
-        ok_b = (lo + 0 * offs_b <= t) & (t < hi + 0 * offs_b)
-        kb = tl.load(kp + offs_b, mask=(offs_b < DK) & ok_b, other=0.0).to(tl.float32)
+        kb = tl.load(kp + offs_b, mask=(offs_b < DK) & _held(offs_b, t, lo, hi), other=0.0).to(tl.float32)
         s += tl.sum(qb.to(tl.float32) * kb[None, :], 1)
-    ok_v = (lo + 0 * offs_v <= t) & (t < hi + 0 * offs_v)
-    v = tl.load(vp + offs_v, mask=(offs_v < DV) & ok_v, other=0.0).to(tl.float32)
-    rows = tl.arange(0, BH)
-    ok_h = (lo + 0 * rows <= t) & (t < hi + 0 * rows)
-    s = tl.where(ok_h, s * scale_log2, float("-inf"))
+    v = tl.load(vp + offs_v, mask=(offs_v < DV) & _held(offs_v, t, lo, hi), other=0.0).to(tl.float32)
+    s = tl.where(_held(tl.arange(0, BH), t, lo, hi), s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe)
     alpha = tl.exp2(m_i - m_safe)
-    own = (offs_n == 0) & (lo + 0 * offs_n <= t) & (t < hi + 0 * offs_n)
+    own = (offs_n == 0) & _held(offs_n, t, lo, hi)
     l_i = l_i * alpha[:, None] + tl.where(own[None, :], p[:, None], 0.0)
     acc = acc * alpha[:, None] + p[:, None] * v[None, :]
     return m_new, l_i, acc, cnt + own.to(tl.int32)
@@ -418,7 +418,6 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     # reads its row's position in their place, the value unused (a pointer chosen, not a masked load: Triton 3.9's
     # interpreter rejects a scalar mask)
     sel_row = IDX + b * sib + g * sig
-    win_n = c + 0 * offs_n < C_CMP + C_WIN            # is_win as a vector (the interpreter: scalar masks)
     # Under WIN_NOWAIT a window program takes token t's k/v from the new token's buffer, so that no read depends on
     # this step's append (by the chain in ``_grid_dependency`` the compressed launch has finished when this launch
     # starts, but a window program never waits to be shown its writes): its tile loop stops at t − 1, and token t is
@@ -447,6 +446,7 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
             vp = row_v + first.to(tl.int64) * svt + run_v
         else:
             # BPT blocks a tile (BN = BPT · l'): row r of the tile is token r mod l' of slot r // l'
+            win_n = c + 0 * offs_n < C_CMP + C_WIN    # is_win as a vector (the interpreter: scalar masks)
             kw = w0 + ti * BN + offs_n
             slot = (s0 + ti) * BPT + offs_n // BLOCK
             j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))

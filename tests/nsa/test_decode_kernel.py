@@ -349,6 +349,7 @@ def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_z
     tile's block sums by exp2(tile max - M): a term of a tile that does not reach a block must add 0, not
     0 times exp2(0 - M) = 0 * inf (NaN: the block then ranked lowest, and the step picked another free
     block than the oracle's). fp32, the step's blocks against the oracle's."""
+    from kernels.common import LOG2E
     from kernels.decode import decode_attention
     B, G, dk = 1, CFG.n_kv_heads, CFG.d_k
     torch.manual_seed(7)
@@ -359,7 +360,7 @@ def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_z
     cache.write_prefill(torch.randn(B, t + 1, G, dk, device=DEV), torch.randn(B, t + 1, G, CFG.d_v, device=DEV),
                         k_cmp.contiguous(), torch.randn(B, N, G, CFG.d_v, device=DEV))
     q = (-200.0 * u).expand(B, CFG.n_heads, dk).contiguous()
-    assert (q[0, 0] @ k_cmp[0, :, 0].T).max() * CFG.scale * 1.4427 < -128
+    assert (q[0, 0] @ k_cmp[0, :, 0].T).max() * CFG.scale * LOG2E < -128
     pos = torch.full((B,), t, dtype=torch.int32, device=DEV)
     with torch.no_grad():
         r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG)
