@@ -348,7 +348,7 @@ def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_z
     earlier ones (t=300: blocks 0-15 in the first tile, 16-18 in the second). The scorer rescales each
     tile's block sums by exp2(tile max - M): a term of a tile that does not reach a block must add 0, not
     0 times exp2(0 - M) = 0 * inf (NaN: the block then ranked lowest, and the step picked another free
-    block than the oracle's). fp32, the step's blocks against the oracle's."""
+    block than the oracle's). fp32, against the oracle's row: its blocks, outputs and reads."""
     from kernels.common import LOG2E
     from kernels.decode import decode_attention
     B, G, dk = 1, CFG.n_kv_heads, CFG.d_k
@@ -364,8 +364,7 @@ def test_selection_matches_the_oracle_when_every_compressed_logit_is_far_below_z
     pos = torch.full((B,), t, dtype=torch.int32, device=DEV)
     with torch.no_grad():
         r = decode_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, pos, CFG)
-    ref = reference.decode_row(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, t, CFG)
-    assert torch.equal(r.idx.long(), ref["idx"]), (r.idx.tolist(), ref["idx"].tolist())
+    _against_oracle_row(r, q, cache, t, torch.float32)
 
 
 @pytest.mark.parametrize("d_k,branches", [(16, BRANCHES), (144, BRANCHES), (16, ("win",))],
