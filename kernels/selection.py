@@ -35,6 +35,7 @@ import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, gate_args, gated_lse,
                             head_dim_parts, launch_fitting, load_dk, pow2, precision, store_2d, store_dk)
+from kernels.interpreter import interpreting
 from nsa_core import dispatch
 
 
@@ -241,7 +242,7 @@ def _sel_dkdv_reduce_kernel(PART_K, PART_V, SEG_FIRST, CU, BLK_START, BLK_SEQ, D
 
 
 # -- launchers -----------------------------------------------------------------------------
-def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
+def launch_configs(kernel: str, BDK: int, BDV: int, itemsize: int = 2) -> list[dict]:
     """num_warps / num_stages per kernel ("fwd", "dq", "dkdv") and padded head dims: the measured
     settings first, then smaller ones for a GPU with less shared memory per block
     (``common.launch_fitting`` runs the first that loads).
@@ -253,8 +254,10 @@ def launch_configs(kernel: str, BDK: int, BDV: int) -> list[dict]:
     # fwd and dq are L2-bandwidth-bound (the selected K/V blocks), not compute-bound: what was tried
     # on the loads is in docs/decisions.md
     if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
-        return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1},
-                {"num_warps": 4, "rows": 16, "num_stages": 1}]
+        smallest = [{"num_warps": 4, "rows": 16, "num_stages": 1}]
+        if itemsize == 4 and not interpreting():   # fp32 compiled: FMA products; 64 rows spilled 15 KB a thread
+            return smallest
+        return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1}, *smallest]
     return [{"num_warps": 2, "num_stages": 2}, {"num_warps": 2, "num_stages": 1}]
 
 
@@ -440,7 +443,7 @@ def selection_attention_bwd(do, q, k, v, o, lse, block_idx, block_size: int, cu_
             do.stride(0), do.stride(1), lse.stride(0), lse.stride(1), scale * LOG2E,
             H_PER_G=h, BLOCK=block_size, DK=d_k, DV=d_v, BHB=BHB, BQ=max(1, rows // BHB), BN=BN,
             BDA=BDA, BDB=BDB, BDV=BDV, PREC=prec, **lc)
-    launch_fitting("sel_dkdv", spec, launch_configs("dkdv", BDK, BDV), launch_dkdv)
+    launch_fitting("sel_dkdv", spec, launch_configs("dkdv", BDK, BDV, q.element_size()), launch_dkdv)
     _sel_dkdv_reduce_kernel[(NBU, G)](
         part_k, part_v, ri["seg_first"], cu, ri["blk_start"], ri["blk_seq"], dk, dv, NBU,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale,
