@@ -514,7 +514,7 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
     if itemsize == 4 and not interpreting():   # fp32 (the precision path), compiled: the smallest tiles (docstring)
         tma, measured, smaller = [], [], smaller[1:]
-    elif itemsize == 4 and kernel != "fwd":
+    elif itemsize == 4 and kernel != "fwd":    # interpreted: fp32's backward from the smaller settings, as before
         measured = []
     configs = [{**c, "tma": True} for c in tma] + measured + smaller
     return [c for i, c in enumerate(configs) if c not in configs[:i]]

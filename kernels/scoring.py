@@ -220,8 +220,8 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     where usable, d_k = 192 as two power-of-two parts): docs/decisions.md."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
-    # fp32 tiles are twice the bytes (64 tokens, 3 stages need 256 KiB of shared memory); compiled, its FMA products
-    # spilled at 32 tokens, which the interpreter runs faster
+    # fp32 tiles are twice the bytes (64 tokens, 3 stages need 256 KiB of shared memory). Compiled, fp32's FMA
+    # products spill: 16 tokens spill less than 32 and compile faster; interpreted, 32 run faster
     if itemsize > 2:
         return smaller if interpreting() else smaller[1:]
     tma = [{"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3, "tma": True}]
