@@ -80,11 +80,18 @@ CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window +
 # software-pipelining stages of a partial program's tile loop: 3 on Hopper (sm90, where measured) for 16-bit caches,
 # 2 elsewhere; the compressed programs take 3 only where the plan gives one DEEP_TILES tiles or more (the capacity's:
 # ``_cmp_split`` may walk fewer). H200, B=16, 2x caches, 3 vs 2: 84.2 vs 93.6 us at 64k, 132.4 vs 158.2 at 128k;
-# 4 stages or 8 warps were slower. The window + selection programs take 3 at any tiles: one loop, a pipeline of 90 KB
-# of shared memory, two programs an SM (B=16 4k 38.2 vs 44.5 with 2). fp32 tiles with 3 stages outgrow the shared
+# 4 stages or 8 warps were slower. The window + selection programs take 3 at any tiles (one loop, a pipeline of 90 KB
+# of shared memory, two programs an SM; B=16 4k 38.2 vs 44.5 with 2), except the shallow ones (``SHALLOW_MIN_TILES``). fp32 tiles with 3 stages outgrow the shared
 # memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
+# Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory;
+# 168 registers under Triton 3.6 and 3.8 with the block numbers loaded before the loop: three programs an SM), at least
+# SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an SM, the
+# launch takes those tiles and 2 stages rather than 3 stages at two programs an SM. H200, 2x caches: B=16 64k 78.5 vs
+# 80.0 us, 128k 126.1 vs 127.2, B=32 64k 141-142 vs 144.8; slower at B=8 ((2, 2) tiles) and B=64 32k (512 programs):
+# hence the bounds (docs/decisions.md)
+SHALLOW_MIN_TILES, SHALLOW_PER_SM = 4, 3
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
 # that launch is latency-bound on them). Two blocks were faster at B·G 16, the same at 8, slower at 4, 32 and 64
@@ -430,12 +437,16 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
     row_v = V + b * svb + g * svg
     run_k = offs_n * skt
     run_v = offs_n * svt
+    if BPT == 1:
+        # the program's block numbers, loaded once before the loop: no tile's K/V addresses wait on a load inside it
+        ar_s = tl.arange(0, SEL_TILES)
+        win_s = c + 0 * ar_s < C_CMP + C_WIN
+        j_all = tl.load(tl.where(win_s, POS + b, sel_row + tl.minimum(s0 + ar_s, N_SEL - 1)))
     for ti in tl.range(0, tl.where(is_win, WIN_TILES, SEL_TILES), num_stages=STAGES):
         if BPT == 1:
-            # one block a tile loads its block number once (a scalar): the general form, written for both, loads
-            # it per row and was slower at B=16 (docs/decisions.md)
+            # one block a tile: its block number a scalar, picked from those loaded before the loop
             slot = s0 + ti
-            j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
+            j = tl.sum(tl.where(ar_s == ti, j_all, 0), 0)
             first = tl.where(is_win, w0 + ti * BN, j * BLOCK)
             # rows 0 .. last are read: a window tile's up to t (t − 1 under WIN_NOWAIT), a selection tile's up to t and
             # within its block, none for an unused slot (j = −1) or past a ragged last chunk (slot >= n)
@@ -884,6 +895,12 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     c_cmp = triton.cdiv(cmp_t, ct)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
+    win_stages = _stages(device, dtype, DEEP_TILES)
+    if win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
+        t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
+        if t >= SHALLOW_MIN_TILES and B * G * (triton.cdiv(win_t, t) + triton.cdiv(sel_t, t)) <= SHALLOW_PER_SM * n_sm:
+            wt = st = t
+            win_stages = PARTIAL_STAGES
     tb = BNC * cfg.cmp_stride // cfg.block_size
     nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
     BDA, BDB = head_dim_parts(cfg.d_k)
@@ -896,7 +913,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                 max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
                 ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
                 tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
+                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), win_stages, bj,
                 kept_keys(cfg, bj), merge_group(c_cmp, B * G))
 
 
