@@ -59,7 +59,7 @@ hold anything, NaN included: they are never read.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -85,12 +85,13 @@ CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window +
 # memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
-# Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory;
-# 168 registers under Triton 3.6 and 3.8 with the block numbers loaded before the loop: three programs an SM), at least
-# SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an SM, the
-# launch takes those tiles and 2 stages rather than 3 stages at two programs an SM. H200, 2x caches: B=16 64k 78.5 vs
-# 80.0 us, 128k 126.1 vs 127.2, B=32 64k 141-142 vs 144.8; slower at B=8 ((2, 2) tiles) and B=64 32k (512 programs):
-# hence the bounds (docs/decisions.md)
+# Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory),
+# at least SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an
+# SM, the launch takes those tiles and 2 stages rather than 3 stages at two programs an SM, where the kernel so
+# compiled lets three programs share an SM (``_fits_per_sm``: 168 registers a thread under Triton 3.6 and 3.8, 179
+# under 3.9, which keeps the deep launch). H200, 2x caches, graph-replayed after the read flush: B=16 64k 79.0 vs
+# 81.3 us, 128k 127.8-128.2 vs 129.0-129.2, B=32 64k 143.8-144.0 vs 147.0; slower at B=8 ((2, 2) tiles) and B=64 32k
+# (512 programs): hence the bounds (docs/decisions.md)
 SHALLOW_MIN_TILES, SHALLOW_PER_SM = 4, 3
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:
@@ -895,12 +896,6 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
     c_cmp = triton.cdiv(cmp_t, ct)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
-    win_stages = _stages(device, dtype, DEEP_TILES)
-    if win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
-        t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
-        if t >= SHALLOW_MIN_TILES and B * G * (triton.cdiv(win_t, t) + triton.cdiv(sel_t, t)) <= SHALLOW_PER_SM * n_sm:
-            wt = st = t
-            win_stages = PARTIAL_STAGES
     tb = BNC * cfg.cmp_stride // cfg.block_size
     nbt = ((BNC - 1) * cfg.cmp_stride + cfg.cmp_len - 1) // cfg.block_size + 1
     BDA, BDB = head_dim_parts(cfg.d_k)
@@ -909,12 +904,72 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
                   and nbt == tb + 1)
     nbp = triton.next_power_of_2(triton.cdiv(t_max, cfg.block_size))
     bj = min(nbp, SCORE_BLOCKS)
-    return Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected, nbp, BN, BNC,
-                max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
-                ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
-                tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
-                *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), win_stages, bj,
-                kept_keys(cfg, bj), merge_group(c_cmp, B * G))
+    p = Plan(B, G, h, cfg.d_k, cfg.d_v, n_max, cfg.n_selected, nbp, BN, BNC,
+             max(16, triton.next_power_of_2(h)), BDA, BDB, max(16, triton.next_power_of_2(cfg.d_v)),
+             ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
+             tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
+             *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
+             kept_keys(cfg, bj), merge_group(c_cmp, B * G))
+    if p.win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
+        t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
+        if t >= SHALLOW_MIN_TILES and B * G * (triton.cdiv(win_t, t) + triton.cdiv(sel_t, t)) <= SHALLOW_PER_SM * n_sm:
+            shallow = replace(p, win_tiles=t, sel_tiles=t, C_WIN=triton.cdiv(win_t, t), C_SEL=triton.cdiv(sel_t, t),
+                              win_stages=PARTIAL_STAGES)
+            if _fits_per_sm(shallow, cfg, t_max, dtype, device, SHALLOW_PER_SM):
+                p = shallow
+    return p
+
+
+_FITS: dict[tuple, bool] = {}
+
+
+def fits(n_regs: int, n_spills: int, shared: int, warps: int, programs: int, regs_per_sm: int,
+         shared_per_sm: int) -> bool:
+    """Whether ``programs`` programs of ``warps`` warps, each thread with ``n_regs`` registers and the program
+    ``shared`` bytes of shared memory (the driver reserves 1 KB more a program), share one SM of
+    ``regs_per_sm`` registers and ``shared_per_sm`` bytes, with nothing spilled."""
+    return (n_spills == 0 and programs * warps * 32 * n_regs <= regs_per_sm
+            and programs * (shared + 1024) <= shared_per_sm)
+
+
+def _fits_per_sm(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype, device, programs: int) -> bool:
+    """Whether the window + selection kernel at ``p``'s settings, compiled by the Triton installed here, runs
+    ``programs`` programs an SM (``fits``): the shallow launch's premise, which the register count decides and
+    which changes with Triton's version. Compiled, with the arguments a ``DecodeStep``'s launch takes (so that
+    its first launch finds it compiled), and loaded once a process; not run."""
+    key = (str(torch.device(device)), dtype, p.win_tiles, p.win_stages, p.BN, p.bpt, p.d_k, p.d_v, p.h, p.G,
+           cfg.window, cfg.n_selected, cfg.block_size, t_max)
+    if key not in _FITS:
+        f32, i32 = torch.float32, torch.int32
+        args, kw = _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32),
+                                (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
+                                 t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
+                                p.C_CMP, True, precision(dtype))
+        with torch.cuda.device(torch.device(device)):
+            kernel = _winsel_partial_kernel.warmup(*args, grid=(1,), **kw)
+            kernel._init_handles()
+            props = torch.cuda.get_device_properties(torch.device(device))
+        _FITS[key] = fits(kernel.n_regs, kernel.n_spills, kernel.metadata.shared, PARTIAL_WARPS, programs,
+                          getattr(props, "regs_per_multiprocessor", 65536),
+                          getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+    return _FITS[key]
+
+
+def _partial_constexprs(p: Plan, cfg: NSAConfig, prec: str) -> dict:
+    """What both partial launches take as constexprs (the chunk counts they take as plain arguments; the window +
+    selection launch its own STAGES)."""
+    return dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB,
+                BDV=p.BDV, PREC=prec, STAGES=p.stages, num_warps=PARTIAL_WARPS, GDC=p.gdc, launch_pdl=p.gdc > 0)
+
+
+def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, nowait: bool,
+                 prec: str) -> tuple[list, dict]:
+    """The window + selection launch's arguments and settings: ``ptrs`` (q, k, v, k_new, v_new, idx, pos, pm, pl,
+    pacc, pcnt) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
+    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo)."""
+    kw = dict(_partial_constexprs(p, cfg, prec), WINDOW=cfg.window, N_SEL=cfg.n_selected, WIN_TILES=p.win_tiles,
+              SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait, STAGES=p.win_stages)
+    return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
 
 def merge_group(c_cmp: int, rows: int) -> int:
@@ -980,10 +1035,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # (C_CMP: a constexpr of the scorer and the merge, a plain argument of the compressed launch)
     split = dict(CMP_LEN=cfg.cmp_len, CMP_STRIDE=cfg.cmp_stride, CMP_TILES=p.cmp_tiles,
                  HALVINGS=p.cmp_tiles.bit_length() - 1)
-    # what both partial launches take as constexprs (the chunk counts they take as plain arguments; the window +
-    # selection launch its own STAGES)
-    common = dict(G=p.G, H_PER_G=p.h, BLOCK=cfg.block_size, DK=p.d_k, DV=p.d_v, BH=p.BH, BDA=p.BDA, BDB=p.BDB,
-                  BDV=p.BDV, PREC=precision(q.dtype), STAGES=p.stages, num_warps=PARTIAL_WARPS, **pdl)
+    common = _partial_constexprs(p, cfg, precision(q.dtype))
     fused = append is not None and bool(want & {"cmp", "sel"})
     # The window programs start without waiting (WIN_NOWAIT) where the append is this step's (their token t from
     # the new token's buffer, of the cache's dtype, so that it is the value the cache holds: ``_winsel_partial_kernel``)
@@ -1020,11 +1072,9 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        _winsel_partial_kernel[(BG, hi - lo)](
-            q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, *qs, *ks, *vs, ws.idx.stride(0),
-            ws.idx.stride(1), scale_log2, lo, p.C_CMP, p.C_WIN, p.NC, WINDOW=cfg.window, N_SEL=cfg.n_selected,
-            WIN_TILES=p.win_tiles, SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait,
-            **dict(common, STAGES=p.win_stages))
+        args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt),
+                                (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype))
+        _winsel_partial_kernel[(BG, hi - lo)](*args, **kw)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,

@@ -86,12 +86,15 @@ def _cache(B, S, seed, capacity=None, dtype=DTYPE):
 # -- parity ---------------------------------------------------------------------------------
 # B=2 and B=4: with the paper's 4 KV heads, B·G 8 and 16, the two window / selection tilings (one selection block
 # a tile, two: ``kernels.decode.TWO_BLOCK_TILES``); B=8 (B·G 32) at the longest context: on Hopper the launches
-# there let the next one go at the end of their programs, not at their start (``kernels.decode.EARLY_TRIGGER_ROWS``).
+# there let the next one go at the end of their programs, not at their start (``kernels.decode.EARLY_TRIGGER_ROWS``);
+# B=16 (B·G 64) there too: the bench's batch, where Hopper takes the shallow window + selection launch if its kernel
+# fits three programs an SM (``kernels.decode.SHALLOW_MIN_TILES``).
 # Where the profile's dtype is not fp32, one fp32 case at the shortest context: held to the fp32 floor, which a
 # step whose fp32 dots round to TF32 (~1e-3 relative) cannot meet
 @pytest.mark.parametrize("B,S,dt", profile_cases([pytest.param(2, S, CFG.dtype, id=f"S{S}") for S in CFG.contexts] +
                                                  [pytest.param(4, S, CFG.dtype, id=f"B4-S{S}") for S in CFG.contexts] +
                                                  [pytest.param(8, S, CFG.dtype, id=f"B8-S{S}") for S in CFG.contexts[-1:]] +
+                                                 [pytest.param(16, S, CFG.dtype, id=f"B16-S{S}") for S in CFG.contexts[-1:]] +
                                                  [pytest.param(2, S, "fp32", id=f"fp32-S{S}") for S in CFG.contexts[:1]
                                                   if CFG.dtype != "fp32"],
                                                  "decode", "contexts", 3))
@@ -103,6 +106,9 @@ def test_parity(B, S, dt, record):
     record.metrics["capacity"] = cache.max_len
     record.metrics["blocks_per_tile"] = step.plan.bpt
     record.metrics["pdl_mode"] = step.plan.gdc          # 0 none, 2 early trigger, 3 late (kernels.decode._gdc)
+    # the window + selection programs' tiles and pipeline stages (4 and 2: the shallow launch)
+    record.metrics["win_sel_tiles"] = step.plan.win_tiles
+    record.metrics["win_sel_stages"] = step.plan.win_stages
     r = _step(step, new, record)
     t = S - 1
     _against_oracle(record, r, cache, new, t, slice(None), dtype=dtype)

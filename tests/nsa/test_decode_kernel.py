@@ -448,3 +448,36 @@ def test_partial_launches_pipeline_three_stages_only_where_measured(cap, dtype, 
     assert decode._stages("cpu", dtype, tiles) == decode.PARTIAL_STAGES
     # the window + selection launch: 3 at any tiles where 3 are taken at all (sm90, 16-bit)
     assert decode._stages("cuda", dtype, decode.DEEP_TILES) == (3 if cap[0] == 9 and dtype.itemsize == 2 else 2)
+
+
+@pytest.mark.parametrize("regs,spills,shared,three", [
+    (168, 0, 49152, True), (176, 0, 49152, False), (168, 8, 49152, False), (168, 0, 80 * 1024, False),
+    (128, 0, 75 * 1024, True)],
+    ids=["168-regs", "176-regs", "spills", "80KB-shared", "75KB-shared"])
+def test_three_programs_an_sm_need_the_registers_and_shared_memory_and_no_spill(regs, spills, shared, three):
+    """``fits``: an H100/H200 SM has 65,536 registers and 228 KB of shared memory (1 KB of it reserved per
+    program): three programs of 4 warps need at most 170 registers a thread (ptxas allocates in eights: 168)."""
+    from kernels import decode
+    assert decode.fits(regs, spills, shared, 4, 3, 65536, 228 * 1024) is three
+
+
+@pytest.mark.parametrize("fit", [True, False], ids=["kernel-fits-three", "kernel-fits-two"])
+def test_shallow_window_selection_launch_only_where_its_kernel_fits_three_an_sm(fit, monkeypatch):
+    """On an sm90 GPU at B=16, 64k (paper config, bf16), the plan takes the shallow window + selection launch (4
+    tiles a program, 2 stages) only where ``_fits_per_sm`` says its kernel runs three programs an SM; else the
+    deep one (8 tiles, 3 stages), whose chunk counts the workspace and the merge follow."""
+    from kernels import decode
+    from nsa_validate.bench.decode import layer_config
+    cfg = layer_config(True)
+    asked = []
+    monkeypatch.setattr(decode, "_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(decode, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(decode, "_fits_per_sm", lambda p, *a: asked.append(p) or fit)
+    p = decode.plan(cfg, 16, 2 * 65536, cfg.n_cmp(2 * 65536 - 1), "cpu", torch.bfloat16)
+    assert len(asked) == 1 and (asked[0].win_tiles, asked[0].win_stages) == (4, 2)
+    want = (4, 4, 2, 2, 4) if fit else (8, 8, 3, 1, 2)
+    assert (p.win_tiles, p.sel_tiles, p.win_stages, p.C_WIN, p.C_SEL) == want
+    # B=8 (B·G 32): two tiles a program would be shallow enough: no compile asked, the deep launch
+    asked.clear()
+    assert decode.plan(cfg, 8, 2 * 65536, cfg.n_cmp(2 * 65536 - 1), "cpu", torch.bfloat16).win_stages == 3
+    assert not asked
