@@ -89,9 +89,8 @@ MAX_TILES = 16                 # tiles one partial program walks at most
 # at least SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an
 # SM, the launch takes those tiles and 2 stages rather than 3 stages at two programs an SM, where the kernel so
 # compiled lets three programs share an SM (``_fits_per_sm``: 168 registers a thread under Triton 3.6 and 3.8, 179
-# under 3.9, which keeps the deep launch). H200, 2x caches, graph-replayed after the read flush: B=16 64k 79.0 vs
-# 81.3 us, 128k 127.8-128.2 vs 129.0-129.2, B=32 64k 143.8-144.0 vs 147.0; slower at B=8 ((2, 2) tiles) and B=64 32k
-# (512 programs): hence the bounds (docs/decisions.md)
+# under 3.9, which keeps the deep launch). Faster on the H200 at B=16 and 32; slower at B=8 ((2, 2) tiles) and B=64
+# 32k (512 programs): hence the bounds (docs/decisions.md, sessions 63 and 65)
 SHALLOW_MIN_TILES, SHALLOW_PER_SM = 4, 3
 # B·G range (inclusive) in which a window / selection tile holds two selection blocks (128 tokens in the paper
 # config) rather than one: half the tile loop's iterations, each with its cross-warp reductions and barriers (ncu:

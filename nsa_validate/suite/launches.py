@@ -3,8 +3,8 @@ them again before they are needed (``nsa_validate.run.prewarm``).
 
 A JIT function compiles at the first launch of each specialization it meets (the argument dtypes,
 the 16-byte alignment of pointers, the integers' divisibility, the constexprs and launch options).
-``record`` wraps ``JITFunction.run``: a launch during which ``triton.compiler.compile`` was called
-appends one JSON line to the run's ``kernels.jsonl`` — the function (``module:qualname``), its
+``record`` wraps ``JITFunction.run``: a launch (or a compile without one, ``JITFunction.warmup``) during
+which ``triton.compiler.compile`` was called appends one JSON line to the run's ``kernels.jsonl`` — the function (``module:qualname``), its
 positional and keyword arguments with every tensor replaced by its dtype and alignment, every
 tensor descriptor by its dtype, shape, strides and block, and every scalar kept as it was (its
 value is what Triton specialises on). ``warm`` replays one line through ``JITFunction.warmup``,
@@ -37,6 +37,10 @@ def _encode(x):
         return x
     if isinstance(x, torch.dtype):
         return {"torch_dtype": str(x).removeprefix("torch.")}
+    if type(x).__name__ in ("MockTensor", "_Pointer") and isinstance(getattr(x, "dtype", None), torch.dtype):
+        # a tensor as ``JITFunction.warmup`` passes it (a compile without a launch: a kernel asking how it compiles,
+        # ``kernels.decode._fits_per_sm``), or as ``warm`` does: the same specialization as a tensor's
+        return {"tensor": str(x.dtype).removeprefix("torch."), "aligned": x.data_ptr() % 16 == 0}
     if isinstance(x, tuple):
         return {"tuple": [_encode(v) for v in x]}
     import dataclasses
@@ -119,7 +123,7 @@ def record(path: str, suite: str) -> bool:
             return run(self, *args, **kwargs)
         finally:
             took = stack.pop()
-            if took and not kwargs.get("warmup"):
+            if took:        # a compile without a launch (``warmup``) too: the launch that follows finds it compiled
                 _note(path, seen, suite, self, args, kwargs, round(time.monotonic() - t0, 2), took)
     run_noted.__nsa_launches__ = True
     tc.compile = compile_noted

@@ -36,6 +36,18 @@ def test_arguments_round_trip_as_triton_specialises_them():
         launches._encode(object())
 
 
+def test_a_compile_without_a_launch_records_its_tensors_as_a_launch_would():
+    """``JITFunction.warmup`` hands the kernel ``MockTensor``s (a dtype, address 0): recorded as an aligned tensor
+    of that dtype, the same line a launch with real tensors writes, so the warming compiles what a kernel asked
+    about (``kernels.decode._fits_per_sm``) before it asks."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    mock = jit.MockTensor.wrap_dtype(torch.bfloat16)
+    assert launches._encode(mock) == launches._encode(torch.zeros(8, dtype=torch.bfloat16)) == {
+        "tensor": "bfloat16", "aligned": True}
+    back = launches._decode(launches._encode(mock))
+    assert launches._encode(back) == launches._encode(mock)
+
+
 def test_a_tensor_descriptor_keeps_its_shape_strides_and_block():
     desc_mod = pytest.importorskip("triton.tools.tensor_descriptor")
     x = torch.zeros(8, 2, 32, dtype=torch.bfloat16)

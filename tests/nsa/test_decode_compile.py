@@ -53,7 +53,7 @@ def _b16_entry() -> dict:
     from nsa_validate.suite import launches
     for e in launches.read(ROOT / "profiles" / "kernels" / "sm90-quick.jsonl"):
         k = e["kwargs"]
-        if (e["fn"].endswith(":_winsel_partial_kernel") and (k["WIN_TILES"], k["SEL_TILES"]) in ((8, 8), (4, 4))
+        if (e["fn"].endswith(":_winsel_partial_kernel") and (k["WIN_TILES"], k["SEL_TILES"], k["STAGES"]) in ((8, 8, 3), (4, 4, 2))
                 and k["GDC"] == 3 and k["WIN_NOWAIT"] and k["BPT"] == 1 and e["args"][0].get("tensor") == "bfloat16"):
             return e
     raise AssertionError("profiles/kernels/sm90-quick.jsonl holds no B=16 64k window + selection launch")
