@@ -924,33 +924,44 @@ _FITS: dict[tuple, bool] = {}
 
 def fits(n_regs: int, n_spills: int, shared: int, warps: int, programs: int, regs_per_sm: int,
          shared_per_sm: int) -> bool:
-    """Whether ``programs`` programs of ``warps`` warps, each thread with ``n_regs`` registers and the program
-    ``shared`` bytes of shared memory (the driver reserves 1 KB more a program), share one SM of
+    """Whether ``programs`` programs of ``warps`` warps, each thread with ``n_regs`` registers (allocated in eights)
+    and the program ``shared`` bytes of shared memory (the driver reserves 1 KB more a program), share one SM of
     ``regs_per_sm`` registers and ``shared_per_sm`` bytes, with nothing spilled."""
-    return (n_spills == 0 and programs * warps * 32 * n_regs <= regs_per_sm
+    return (n_spills == 0 and programs * warps * 32 * (-(-n_regs // 8) * 8) <= regs_per_sm
             and programs * (shared + 1024) <= shared_per_sm)
+
+
+def _probe_args(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype) -> tuple[list, dict]:
+    """The window + selection launch of a ``DecodeStep`` on ``p`` (it appends the token and runs every branch; q
+    [B, H, d_k] and caches [B, t_max, G, d] contiguous, of ``dtype``) with dtypes for its tensors."""
+    f32, i32 = torch.float32, torch.int32
+    return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32),
+                        (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
+                         t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
+                        p.C_CMP, WIN_NOWAIT and p.gdc > 0, precision(dtype))
 
 
 def _fits_per_sm(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype, device, programs: int) -> bool:
     """Whether the window + selection kernel at ``p``'s settings, compiled by the Triton installed here, runs
     ``programs`` programs an SM (``fits``): the shallow launch's premise, which the register count decides and
-    which changes with Triton's version. Compiled, with the arguments a ``DecodeStep``'s launch takes (so that
-    its first launch finds it compiled), and loaded once a process; not run."""
-    key = (str(torch.device(device)), dtype, p.win_tiles, p.win_stages, p.BN, p.bpt, p.d_k, p.d_v, p.h, p.G,
-           cfg.window, cfg.n_selected, cfg.block_size, t_max)
+    which changes with Triton's version. Compiled with the arguments a ``DecodeStep``'s launch takes (so that its
+    first launch finds it compiled; ``_probe_args``) and loaded once a process, not run. A kernel that does not
+    compile, load or report its registers here does not fit: the plan keeps the deep launch."""
+    args, kw = _probe_args(p, cfg, t_max, dtype)
+    dev = torch.device(device)
+    key = (dev.type, dev.index if dev.index is not None else torch.cuda.current_device(), programs, *args,
+           *sorted(kw.items()))
     if key not in _FITS:
-        f32, i32 = torch.float32, torch.int32
-        args, kw = _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32),
-                                (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
-                                 t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
-                                p.C_CMP, True, precision(dtype))
-        with torch.cuda.device(torch.device(device)):
-            kernel = _winsel_partial_kernel.warmup(*args, grid=(1,), **kw)
-            kernel._init_handles()
-            props = torch.cuda.get_device_properties(torch.device(device))
-        _FITS[key] = fits(kernel.n_regs, kernel.n_spills, kernel.metadata.shared, PARTIAL_WARPS, programs,
-                          getattr(props, "regs_per_multiprocessor", 65536),
-                          getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+        try:
+            with torch.cuda.device(dev):
+                kernel = _winsel_partial_kernel.warmup(*args, grid=(1,), **kw)
+                kernel._init_handles()
+                props = torch.cuda.get_device_properties(dev)
+            _FITS[key] = fits(kernel.n_regs, kernel.n_spills, kernel.metadata.shared, PARTIAL_WARPS, programs,
+                              getattr(props, "regs_per_multiprocessor", 65536),
+                              getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+        except Exception:                  # noqa: BLE001  (OutOfResources, an interpreter's warmup, an older Triton)
+            _FITS[key] = False
     return _FITS[key]
 
 

@@ -77,7 +77,13 @@ def test_window_selection_kernel_pipelines_in_its_programs_an_sm(form, tiles, st
     memory (228 KB, less 1 KB the driver reserves for each program). The shallow form's registers (168 a
     thread for three programs an SM) are the plan's to check on the GPU (``_fits_per_sm``)."""
     e = _b16_entry()
-    out = _compile({**e, "kwargs": {**e["kwargs"], "WIN_TILES": tiles, "SEL_TILES": tiles, "STAGES": stages}})
+    k = e["kwargs"]
+    # the chunk counts (plain arguments, which Triton specialises on) that go with these tiles: ..., c_lo, C_CMP,
+    # C_WIN, NC last, the window's chunks and then the selection's
+    c_cmp = e["args"][-3]
+    c_win, c_sel = -(-(-(-k["WINDOW"] // k["BN"])) // tiles), -(-(-(-k["N_SEL"] // k["BPT"])) // tiles)
+    args = [*e["args"][:-3], c_cmp, c_win, c_cmp + c_win + c_sel]
+    out = _compile({**e, "args": args, "kwargs": {**k, "WIN_TILES": tiles, "SEL_TILES": tiles, "STAGES": stages}})
     assert out["cp_async"] > 0, f"the tile loop is not software-pipelined: {out}"
     assert out["shared"] + 1024 <= 228 * 1024 // programs, f"more shared memory than {programs} programs an SM allow: {out}"
     if out["usage"] is not None:        # (a Triton wheel without cuobjdump: the spills go unchecked)
