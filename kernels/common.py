@@ -27,6 +27,15 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def fp32_compiled(itemsize: int) -> bool:
+    """Whether a launch is fp32 and compiled: its dots are then fp32 FMAs (``precision``), not tensor-core products,
+    and at the tiles measured for 16-bit caches they spill and take several times as long to compile, so such
+    launches take their smallest tiles. Under the interpreter (nothing compiled, one program at a time) the larger
+    tiles run faster (docs/decisions.md, "fp32 at the smallest tiles where compiled")."""
+    from kernels.interpreter import interpreting
+    return itemsize == 4 and not interpreting()
+
+
 def cu_or_one(cu_seqlens: torch.Tensor | None, T: int, device) -> tuple[torch.Tensor, int | None]:
     """(cu_seqlens, None); for None, the boundaries [0, T] of one sequence of T tokens (int32) and
     its length T, which a launcher can take as max_seqlen without a device sync."""

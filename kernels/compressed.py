@@ -39,9 +39,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, cu_or_one, descriptor, descriptors_dk, descriptors_usable, dkdv_update,
-                            dot_dk, dq_update, gate_args, gated_lse, head_dim_parts, launch_fitting, load_2d, load_dk,
-                            pow2, precision, sm_count, store_2d, store_dk, usable)
-from kernels.interpreter import interpreting
+                            dot_dk, dq_update, fp32_compiled, gate_args, gated_lse, head_dim_parts, launch_fitting,
+                            load_2d, load_dk, pow2, precision, sm_count, store_2d, store_dk, usable)
 from kernels.mix import gated_sum
 from nsa_core import dispatch
 
@@ -484,9 +483,8 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
 
     The measured settings are the fastest of sweeps on an H100 at 64k, H=64 (h=16), G=4, bf16, for the compressed
     branch and the sliding window; dk/dv keeps pointer loads (its query tiles through descriptors were slower) and
-    computes its scores key-major (docs/decisions.md). fp32 (the precision path: its dots are fp32 FMAs, not
-    tensor-core products) takes the smallest tiles where compiled: larger ones spill and take several times as
-    long to compile. Under the interpreter (nothing compiled, one program at a time) the larger ones run faster."""
+    computes its scores key-major (docs/decisions.md). fp32 (the precision path) takes the smallest tiles where
+    compiled (``fp32_compiled``); interpreted, its backward starts at the smaller settings."""
     BH = triton.next_power_of_2(h)
     wide = max(BDK, BDV) > 128
     bt = lambda rows: max(1, rows // BH)  # noqa: E731  (tokens per tile: rows of one dot / heads)
@@ -512,9 +510,9 @@ def launch_configs(kernel: str, h: int, BDK: int, BDV: int, itemsize: int = 2, w
         measured = [{"BT": bt(64), "BC": 128, **split, "num_warps": 8, "num_stages": 2 if wide else 3},
                     {"BT": bt(64), "BC": 64, **split, "num_warps": 4, "num_stages": 2}]
     smaller = [{"BT": bt(rows), "BC": bc, **split, "num_warps": 4, "num_stages": 1} for rows, bc in ((64, 32), (16, 16))]
-    if itemsize == 4 and not interpreting():   # fp32 (the precision path), compiled: the smallest tiles (docstring)
+    if fp32_compiled(itemsize):
         tma, measured, smaller = [], [], smaller[1:]
-    elif itemsize == 4 and kernel != "fwd":    # interpreted: fp32's backward from the smaller settings, as before
+    elif itemsize == 4 and kernel != "fwd":    # interpreted: fp32's backward from the smaller settings
         measured = []
     configs = [{**c, "tma": True} for c in tma] + measured + smaller
     return [c for i, c in enumerate(configs) if c not in configs[:i]]

@@ -81,8 +81,8 @@ CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window +
 # 2 elsewhere; the compressed programs take 3 only where the plan gives one DEEP_TILES tiles or more (the capacity's:
 # ``_cmp_split`` may walk fewer). H200, B=16, 2x caches, 3 vs 2: 84.2 vs 93.6 us at 64k, 132.4 vs 158.2 at 128k;
 # 4 stages or 8 warps were slower. The window + selection programs take 3 at any tiles (one loop, a pipeline of 90 KB
-# of shared memory, two programs an SM; B=16 4k 38.2 vs 44.5 with 2), except the shallow ones (``SHALLOW_MIN_TILES``). fp32 tiles with 3 stages outgrow the shared
-# memory (docs/decisions.md)
+# of shared memory, two programs an SM; B=16 4k 38.2 vs 44.5 with 2), except the shallow ones (``SHALLOW_MIN_TILES``).
+# fp32 tiles with 3 stages outgrow the shared memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one partial program walks at most
 # Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory),
@@ -911,9 +911,9 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
              kept_keys(cfg, bj), merge_group(c_cmp, B * G))
     if p.win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
         t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
-        if t >= SHALLOW_MIN_TILES and B * G * (triton.cdiv(win_t, t) + triton.cdiv(sel_t, t)) <= SHALLOW_PER_SM * n_sm:
-            shallow = replace(p, win_tiles=t, sel_tiles=t, C_WIN=triton.cdiv(win_t, t), C_SEL=triton.cdiv(sel_t, t),
-                              win_stages=PARTIAL_STAGES)
+        c_win, c_sel = triton.cdiv(win_t, t), triton.cdiv(sel_t, t)
+        if t >= SHALLOW_MIN_TILES and B * G * (c_win + c_sel) <= SHALLOW_PER_SM * n_sm:
+            shallow = replace(p, win_tiles=t, sel_tiles=t, C_WIN=c_win, C_SEL=c_sel, win_stages=PARTIAL_STAGES)
             if _fits_per_sm(shallow, cfg, t_max, dtype, device, SHALLOW_PER_SM):
                 p = shallow
     return p

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import precision
+from kernels.common import fp32_compiled, precision
 from kernels.decode import DecodeStep, StepOut
-from kernels.interpreter import interpreting
 from nsa_core import dispatch
 from nsa_core.cuda_graph import capturing
 from nsa_core.module import StepInfo
@@ -44,8 +43,8 @@ from nsa_core.module import StepInfo
 # per program; warps of an fc2 program (which takes BJ = 32 outputs). The fastest of the settings swept on an H100
 # (docs/decisions.md)
 MLP_BK, MLP_KC, MLP_BN = 128, 128, 64
-# inputs per product in fp32 where compiled: its products are FMAs, and 128 inputs spilled 3.9 KB a thread (sm90, Triton
-# 3.6, the counters suite's fp32 paper-config step), 32 none; the interpreter keeps MLP_KC (fewer steps there)
+# inputs per product in fp32 where compiled (``fp32_compiled``): 128 spilled 3.9 KB a thread (sm90, Triton 3.6, the
+# counters suite's fp32 paper-config step), 32 none; the interpreter keeps MLP_KC (fewer steps there)
 MLP_KC_FP32 = 32
 FC2_WARPS = 4
 
@@ -362,7 +361,7 @@ class LayerDecodeStep:
         bd = (triton.next_power_of_2(cfg.d_k), triton.next_power_of_2(cfg.d_v))
         shared = dict(PHI=phi, G=G, L=l, DK=cfg.d_k, DV=cfg.d_v, BK=MLP_BK, NMAX=nmax, SPLITS=splits)
         jobs = 3 if phi else 1                   # program_id(2) / (1): the gate, then φ for k and v
-        kc = MLP_KC_FP32 if dt == torch.float32 and not interpreting() else MLP_KC
+        kc = MLP_KC_FP32 if fp32_compiled(dt.itemsize) else MLP_KC
         self.fc1 = ((max(splits, splits_g) if phi else splits_g,
                      triton.cdiv(max(nmax, hid) if phi else hid, MLP_BN), jobs),
                     dict(shared, D_MODEL=D, HID=hid, BM=max(16, triton.next_power_of_2(max(M, B))), KC=min(kc, MLP_BK),

@@ -37,9 +37,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import (LOG2E, LOG2E_C, block_key, cu_or_one, descriptors_dk, descriptors_usable, dot_dk,
-                            head_dim_parts, launch_fitting, pow2, precision, ranks_before, usable)
+                            fp32_compiled, head_dim_parts, launch_fitting, pow2, precision, ranks_before, usable)
 from kernels.compressed import _check as _check_cmp, _grid_sizes, _load_tile_dk, _n_cmp, _seq, cmp_cu_seqlens
-from kernels.interpreter import interpreting
 from nsa_core import dispatch
 
 NO_BLOCK: tl.constexpr = tl.constexpr(-2)       # a non-causal candidate's score bits: below real ones and empty slots
@@ -220,10 +219,10 @@ def launch_configs(h: int, BDK: int, n_selected: int, itemsize: int = 2) -> list
     where usable, d_k = 192 as two power-of-two parts): docs/decisions.md."""
     BB = max(32, triton.next_power_of_2(n_selected))
     smaller = [{"BT": 32, "BB": BB, "num_warps": 4, "num_stages": 1}, {"BT": 16, "BB": BB, "num_warps": 4, "num_stages": 1}]
-    # fp32 tiles are twice the bytes (64 tokens, 3 stages need 256 KiB of shared memory). Compiled, fp32's FMA
-    # products spill: 16 tokens spill less than 32 and compile faster; interpreted, 32 run faster
+    # fp32 tiles are twice the bytes (64 tokens, 3 stages need 256 KiB of shared memory); compiled, the smallest
+    # (``fp32_compiled``: 16 tokens spill less than 32 and compile faster)
     if itemsize > 2:
-        return smaller if interpreting() else smaller[1:]
+        return smaller[1:] if fp32_compiled(itemsize) else smaller
     tma = [{"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 3, "tma": True}]
     if BDK > 128:
         tma.append({"BT": 64, "BB": BB, "num_warps": 4, "num_stages": 2, "tma": True})

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, gate_args, gated_lse,
-                            head_dim_parts, launch_fitting, load_dk, pow2, precision, store_2d, store_dk)
-from kernels.interpreter import interpreting
+from kernels.common import (LOG2E, LOG2E_C, cu_or_one, dkdv_update, dot_dk, dq_update, fp32_compiled, gate_args,
+                            gated_lse, head_dim_parts, launch_fitting, load_dk, pow2, precision, store_2d, store_dk)
 from nsa_core import dispatch
 
 
@@ -255,7 +254,7 @@ def launch_configs(kernel: str, BDK: int, BDV: int, itemsize: int = 2) -> list[d
     # on the loads is in docs/decisions.md
     if kernel == "dkdv":      # rows: query-head rows per inner step (segment: queries per program, fixed)
         smallest = [{"num_warps": 4, "rows": 16, "num_stages": 1}]
-        if itemsize == 4 and not interpreting():   # fp32 compiled: FMA products; 64 rows spilled 15 KB a thread
+        if fp32_compiled(itemsize):           # (64 rows spilled 15 KB a thread)
             return smallest
         return [{"num_warps": 4, "rows": 32 if wide else 64}, {"num_warps": 4, "rows": 32, "num_stages": 1}, *smallest]
     return [{"num_warps": 2, "num_stages": 2}, {"num_warps": 2, "num_stages": 1}]

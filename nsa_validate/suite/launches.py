@@ -4,12 +4,12 @@ them again before they are needed (``nsa_validate.run.prewarm``).
 A JIT function compiles at the first launch of each specialization it meets (the argument dtypes,
 the 16-byte alignment of pointers, the integers' divisibility, the constexprs and launch options).
 ``record`` wraps ``JITFunction.run``: a launch (or a compile without one, ``JITFunction.warmup``) during
-which ``triton.compiler.compile`` was called appends one JSON line to the run's ``kernels.jsonl`` — the function (``module:qualname``), its
-positional and keyword arguments with every tensor replaced by its dtype and alignment, every
-tensor descriptor by its dtype, shape, strides and block, and every scalar kept as it was (its
-value is what Triton specialises on). ``warm`` replays one line through ``JITFunction.warmup``,
-Triton's public compile-without-launch: the same specialization, so the same cache entry; then it
-builds the kernel's launcher, which a first launch would build next.
+which ``triton.compiler.compile`` was called appends one JSON line to the run's ``kernels.jsonl`` — the
+function (``module:qualname``), its positional and keyword arguments with every tensor replaced by its
+dtype and alignment, every tensor descriptor by its dtype, shape, strides and block, and every scalar
+kept as it was (its value is what Triton specialises on). ``warm`` replays one line through
+``JITFunction.warmup``, Triton's public compile-without-launch: the same specialization, so the same cache
+entry; then it builds the kernel's launcher, which a first launch would build next.
 A line this code cannot replay any more (a kernel renamed, its arguments changed) fails there,
 alone: the suites then compile that kernel themselves, as they would without the list.
 """
@@ -37,7 +37,7 @@ def _encode(x):
         return x
     if isinstance(x, torch.dtype):
         return {"torch_dtype": str(x).removeprefix("torch.")}
-    if type(x).__name__ in ("MockTensor", "_Pointer") and isinstance(getattr(x, "dtype", None), torch.dtype):
+    if (isinstance(x, _Pointer) or type(x).__name__ == "MockTensor") and isinstance(x.dtype, torch.dtype):
         # a tensor as ``JITFunction.warmup`` passes it (a compile without a launch: a kernel asking how it compiles,
         # ``kernels.decode._fits_per_sm``), or as ``warm`` does: the same specialization as a tensor's
         return {"tensor": str(x.dtype).removeprefix("torch."), "aligned": x.data_ptr() % 16 == 0}

@@ -2,9 +2,9 @@
 compiles for a target it is told, with the ptxas its wheel ships, no GPU needed. The kernel's speed on the
 H200 rests on its tile loop being software-pipelined (tiles copied into shared memory ahead of use) in
 programs small enough for two an SM (three for the shallow launch, where its registers allow: the plan
-asks the compiled kernel, ``kernels.decode._fits_per_sm``); a Triton that compiles the same source otherwise makes it slower on
-every Hopper it runs on, which no interpreter test can see (docs/decisions.md: a select in the loop's
-addresses turned the pipelining off under Triton 3.8 and 3.9, not 3.6)."""
+asks the compiled kernel, ``kernels.decode._fits_per_sm``); a Triton that compiles the same source
+otherwise makes it slower on every Hopper it runs on, which no interpreter test can see (docs/decisions.md:
+a select in the loop's addresses turned the pipelining off under Triton 3.8 and 3.9, not 3.6)."""
 import json
 import os
 import subprocess
@@ -53,7 +53,8 @@ def _b16_entry() -> dict:
     from nsa_validate.suite import launches
     for e in launches.read(ROOT / "profiles" / "kernels" / "sm90-quick.jsonl"):
         k = e["kwargs"]
-        if (e["fn"].endswith(":_winsel_partial_kernel") and (k["WIN_TILES"], k["SEL_TILES"], k["STAGES"]) in ((8, 8, 3), (4, 4, 2))
+        forms = ((8, 8, 3), (4, 4, 2))
+        if (e["fn"].endswith(":_winsel_partial_kernel") and (k["WIN_TILES"], k["SEL_TILES"], k["STAGES"]) in forms
                 and k["GDC"] == 3 and k["WIN_NOWAIT"] and k["BPT"] == 1 and e["args"][0].get("tensor") == "bfloat16"):
             return e
     raise AssertionError("profiles/kernels/sm90-quick.jsonl holds no B=16 64k window + selection launch")
@@ -80,8 +81,9 @@ def test_window_selection_kernel_pipelines_in_its_programs_an_sm(form, tiles, st
     k = e["kwargs"]
     # the chunk counts (plain arguments, which Triton specialises on) that go with these tiles: ..., c_lo, C_CMP,
     # C_WIN, NC last, the window's chunks and then the selection's
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
     c_cmp = e["args"][-3]
-    c_win, c_sel = -(-(-(-k["WINDOW"] // k["BN"])) // tiles), -(-(-(-k["N_SEL"] // k["BPT"])) // tiles)
+    c_win, c_sel = cdiv(cdiv(k["WINDOW"], k["BN"]), tiles), cdiv(cdiv(k["N_SEL"], k["BPT"]), tiles)
     args = [*e["args"][:-3], c_cmp, c_win, c_cmp + c_win + c_sel]
     out = _compile({**e, "args": args, "kwargs": {**k, "WIN_TILES": tiles, "SEL_TILES": tiles, "STAGES": stages}})
     assert out["cp_async"] > 0, f"the tile loop is not software-pipelined: {out}"
