@@ -229,6 +229,8 @@ def _prewarm_line(p: dict | None) -> str:
     if p.get("skipped"):
         return f"Kernels not prewarmed from {p['list']}: {p['skipped']}. "
     began = f", from {p['started_s']} s into the run" if p.get("started_s") is not None else ""
+    if p.get("imported_s") is not None:
+        began += f" (its process had imported torch and Triton at {p['imported_s']} s)"
     if "compiled" not in p:            # the run ended (killed, a full disk) before the warming's summary
         return f"Prewarm of {p.get('list')} started{began}; the run ended before its summary. "
     line = (f"Prewarm: {p['compiled']} of {p['kernels']} launches of {p['list']} compiled (or found compiled) by "

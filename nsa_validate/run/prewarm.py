@@ -102,6 +102,7 @@ class Prewarm:
         self.entries: list[dict] = []
         self.n = 0
         self.t0: float | None = None       # ``go``'s moment: the warming processes stamp their lines on this clock
+        self.made = time.monotonic()       # the run's start, near enough: ``imported_s`` counts from it
         self.ended: float | None = None
         _sweep()
         self.scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-"))
@@ -196,13 +197,23 @@ class Prewarm:
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
         wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
+        imported = _stamp(self.work / "imported")
         self.close()
         return {"list": shown(self.kernels), "kernels": self.n, "processes": len(files),
+                "imported_s": round(imported - self.made, 2) if imported is not None else None,
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
                 "wall_s": round(wall, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2),
                 "unlisted": unlisted(self.entries, run_dir / "kernels.jsonl")}
+
+
+def _stamp(path: Path) -> float | None:
+    """The monotonic time a warming process wrote into ``path``; None where it wrote none."""
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def shown(path: Path) -> str:
@@ -264,6 +275,10 @@ def _serve(work: str, locks: str, logs: str) -> None:
             importlib.import_module(module)
         except Exception as e:             # noqa: BLE001  the kernels' import below reports it again
             print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
+    # when the imports ended, against ``go``'s moment: whether the run's profile or this process's imports
+    # held the compiles back (the same monotonic clock, system-wide)
+    with contextlib.suppress(OSError):
+        Path(work, "imported").write_text(repr(time.monotonic()))
     line = sys.stdin.readline()
     if not line.strip():
         return

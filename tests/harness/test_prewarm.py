@@ -289,6 +289,7 @@ def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, 
     out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
     p = out.results["manifest"]["prewarm"]
     assert p["list"] == str(listed) and p["started_s"] >= 0 and (p["kernels"], p["not_reached"]) == (3, 0), p
+    assert p["imported_s"] is not None and 0 < p["imported_s"] < 600, p      # its process stamped its imports' end
     assert (out.run_dir / "logs" / "prewarm.0.log").is_file() and list((out.run_dir / "prewarm").glob("done.*"))
     (w,) = _Seen.made
     assert not _alive(w.procs[0].pid) and not w.scratch.exists()
@@ -344,7 +345,7 @@ def test_the_early_process_told_nothing_ends_by_itself(tmp_path):
     w = prewarm.Prewarm(env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     w.procs[0].stdin.close()
     assert w.procs[0].wait(timeout=120) == 0
-    assert not list(w.work.iterdir())
+    assert [f.name for f in w.work.iterdir()] == ["imported"]       # its imports' end stamped; nothing compiled
     w.close()
     assert not w.scratch.exists()
 
@@ -384,6 +385,8 @@ def test_the_report_says_what_the_warming_did():
     line = _prewarm_line(ran)
     assert "233 of 235 launches" in line and "15 processes in 73.2 s" in line
     assert "from 1.4 s into the run" in _prewarm_line({**ran, "started_s": 1.4})
+    assert "from 1.4 s into the run (its process had imported torch and Triton at 3.1 s)" in _prewarm_line(
+        {**ran, "started_s": 1.4, "imported_s": 3.1})
     assert "2 failed (first: kernels.x:k: ImportError)" in line and "compiled 4 launches the list lacks" in line
     assert "an earlier run" in _prewarm_line({"list": "l", "skipped": "an earlier run compiled the list into this cache"})
     # a run killed (or stopped by a full disk) before the summary: the manifest has only its start
