@@ -1056,6 +1056,10 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
               and kn.dtype == k.dtype and vn.dtype == v.dtype)
     topn_pdl = dict(pdl, GDC=4 if nowait and p.gdc == 3 else p.gdc)
+    # and the scores launch lets the top-n go once its programs have passed their wait (GDC 2, not at their end), so
+    # that the window programs start under the scoring rather than under the top-n (H200, 2x caches: B=16 64k 77.7-77.9
+    # against 78.5-78.6 us, 128k 124.6-124.9 against 125.9-126.2; docs/decisions.md, session 66)
+    scores_pdl = dict(pdl, GDC=2 if nowait and p.gdc == 3 else p.gdc)
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
     qs, ks, vs = (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1),
@@ -1077,7 +1081,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                                         NT=p.n_tiles, TB=p.tb, NBT=p.nbt, NBP=NBP, BJ=BJ, KC=p.cands,
                                         BLOCK=cfg.block_size,
                                         BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
-                                        C_CMP=p.C_CMP, IDLE_EXIT=p.gdc == 3, **pdl)
+                                        C_CMP=p.C_CMP, IDLE_EXIT=p.gdc == 3, **scores_pdl)
         top_n(ws.cand, pos, ws.idx, cfg, BJ, p.cands, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
