@@ -147,7 +147,8 @@ def _grid_dependency(GDC: tl.constexpr):
     so nothing it reads can be stale; with GDC = 2 it also lets the next kernel of the step be
     launched now (its programs then wait in turn); GDC = 3 lets it at the end of the program
     (``_grid_release``); GDC = 4 lets it before waiting (the top-n launch above
-    EARLY_TRIGGER_ROWS, so that the window programs after it start while it runs:
+    EARLY_TRIGGER_ROWS, so that the window programs after it start while it runs, and, the scores
+    launch before it triggering after its wait there, while the scoring runs:
     ``_winsel_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
     launch before it wrote, so the order is that of plain stream launches (the non-waiting window
     programs, which read nothing those launches write, aside).
@@ -496,8 +497,9 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
     t = tl.load(POS + bg // G)
     if IDLE_EXIT:
         # past the new token's block (a cache with room to grow): done before waiting, so that such programs
-        # free their slots while the compressed launch still runs. Only under the late trigger: at few rows
-        # (GDC 2) this branch made the step slower even where no program takes it (docs/decisions.md)
+        # free their slots while the compressed launch still runs (they let the top-n go as they end). Only above
+        # EARLY_TRIGGER_ROWS: at few rows this branch made the step slower even where no program takes it
+        # (docs/decisions.md)
         if tl.program_id(1) * BJ > t // BLOCK:
             return
     _grid_dependency(GDC)
