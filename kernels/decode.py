@@ -138,6 +138,14 @@ CMP_EARLY = True
 # ``nowait``), and above EARLY_TRIGGER_ROWS the top-n launch lets that launch go before its own wait (GDC 4): the
 # window streams while the top-n ranks (docs/decisions.md)
 WIN_NOWAIT = True
+# Where the window does not wait and above EARLY_TRIGGER_ROWS, the merge of a (row · KV head) starts as soon as that
+# row's window + selection programs have stored their partials, not when the whole launch has finished: that launch
+# lets the merge go at its start, each of its programs adds one to its row's count once its partials are stored (a
+# barrier, then a release atomic), and the merge's programs, having merged the compressed partials meanwhile, poll
+# their row's count (acquire) instead of waiting for the launch (the compressed launch zeroes the counts after its
+# wait: by the chain in ``_grid_dependency`` it has finished before any window program starts). The merge's tail
+# after the last window + selection program is then one row's, not the launch's (docs/decisions.md)
+ROW_SYNC = True
 
 
 @triton.jit
@@ -297,7 +305,7 @@ def _partial_store(PM, PL, PACC, PCNT, out, m_i, l_i, acc, cnt, BH: tl.constexpr
 
 
 @triton.jit
-def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN,
+def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN, VN, DONE,
                         sqb, sqh, skb, skt, skg, svb, svt, svg, skcb, skct, skcg, svcb, svct, svcg,
                         scale_log2, n_sm, C_CMP, NC, NT,
                         G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr,
@@ -306,7 +314,8 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
                         DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                         BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                         WANT_V: tl.constexpr, WRITE_SCORES: tl.constexpr, STAGES: tl.constexpr,
-                        APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, SUM_RESHAPE: tl.constexpr = False):
+                        APPEND: tl.constexpr = False, GDC: tl.constexpr = 0, SUM_RESHAPE: tl.constexpr = False,
+                        ROW_SYNC: tl.constexpr = False):
     """Launch 1: program (bg, c) over chunk c of the compressed tokens held (``_cmp_split``), BN a
     tile. C_CMP (chunks), NC (chunks of all branches) and NT (tiles) are plain arguments, not
     constexprs: steps over caches of different lengths can share a compile (Triton still
@@ -323,6 +332,11 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
         # program per (row, KV head): it reads no raw token, and the window/selection launch after it does
         if c == 0:
             _append_row(K, V, KN, VN, b, g, t.to(tl.int64), skb, skt, skg, svb, svt, svg, G, DK, DV)
+    if ROW_SYNC:
+        # the row's count of finished window + selection programs (``ROW_SYNC``), zeroed after the wait: the
+        # previous step's merge, which polled it, has finished
+        if c == 0:
+            tl.store(DONE + bg, 0)
     # this program's tiles: [c·T, min(c·T + T, held)) of the tiles that hold tokens, none past them
     n_cmp, held, T, n_ch = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BN, CMP_TILES, HALVINGS,
                                       C_CMP)
@@ -385,20 +399,23 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
 
 
 @triton.jit
-def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
+def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT, DONE,
                            sqb, sqh, skb, skt, skg, svb, svt, svg, sib, sig, scale_log2, c_lo, C_CMP, C_WIN, NC,
                            G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
                            N_SEL: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                            BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                            STAGES: tl.constexpr, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
-                           WIN_NOWAIT: tl.constexpr = False):
+                           WIN_NOWAIT: tl.constexpr = False, ROW_SYNC: tl.constexpr = False):
     """Launch 4: program (bg, c − c_lo) over chunk c of the partials: the window's chunks C_CMP ..
     C_CMP + C_WIN − 1, then the selection's (c_lo = C_CMP + C_WIN when the window does not run).
     C_CMP, C_WIN and NC are plain arguments, as in ``_cmp_partial_kernel``."""
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     is_win = c < C_CMP + C_WIN
+    if ROW_SYNC:
+        # the merge may be launched now: its programs wait on their row's count, not on this launch (``ROW_SYNC``)
+        tl.extra.cuda.gdc_launch_dependents()
     if WIN_NOWAIT:
         # a window program reads nothing an earlier launch of this step writes (the new token's k/v it
         # takes from KN/VN, not from the cache the compressed launch appends to): it starts without
@@ -477,8 +494,14 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT,
             m_i, l_i, acc, cnt = _one_key(qa, qb, KN + (b * G + g) * DK, VN + (b * G + g) * DV, t, w0,
                                           w0 + WIN_TILES * BN, m_i, l_i, acc, cnt, scale_log2, DK, DV, BH, BN, BDA,
                                           BDB, BDV)
-    _grid_release(GDC)
+    if not ROW_SYNC:
+        _grid_release(GDC)
     _partial_store(PM, PL, PACC, PCNT, (bg * NC + c).to(tl.int64), m_i, l_i, acc, cnt, BH, BDV, True)
+    if ROW_SYNC:
+        # every thread's partial stored, then one more program of the row done (release: the merge that reads the
+        # count with acquire sees the partials)
+        tl.debug_barrier()
+        tl.atomic_add(DONE + bg, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -632,17 +655,20 @@ def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr,
 
 @triton.jit
 def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo, hi, CP: tl.constexpr,
-                NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr):
+                NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, CG: tl.constexpr = False):
     """Chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]: (m [CP, BH], l [CP, BH],
     acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: at least hi − lo, a power of two."""
     ch = lo + tl.arange(0, CP)
     ok = ch < hi
     out = (bg * NC + ch).to(tl.int64)
     part = out[:, None] * BH + rows[None, :]                           # [CP, BH]
-    pm = tl.load(PM + part, mask=ok[:, None], other=float("-inf"))
-    pl = tl.load(PL + part, mask=ok[:, None], other=0.0)
-    acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0)
-    return pm, pl, acc, tl.sum(tl.load(PCNT + out, mask=ok, other=0), 0)
+    # CG: from L2, past this SM's L1 (partials a program of this launch saw stored only through a count it polled)
+    mod: tl.constexpr = ".cg" if CG else ""
+    pm = tl.load(PM + part, mask=ok[:, None], other=float("-inf"), cache_modifier=mod)
+    pl = tl.load(PL + part, mask=ok[:, None], other=0.0, cache_modifier=mod)
+    acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0,
+                  cache_modifier=mod)
+    return pm, pl, acc, tl.sum(tl.load(PCNT + out, mask=ok, other=0, cache_modifier=mod), 0)
 
 
 @triton.jit
@@ -700,14 +726,15 @@ def _gate_col(GATE, row, br: tl.constexpr, ok, HAS_GATE: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B, POS, n_sm,
+def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, DONE, B, POS, n_sm, N_ROW,
                   G: tl.constexpr, H_PER_G: tl.constexpr, DV: tl.constexpr, C_CMP: tl.constexpr,
                   C_WIN: tl.constexpr, NC: tl.constexpr, CP_CMP: tl.constexpr, CP_WIN: tl.constexpr,
                   CP_SEL: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, BDV_S: tl.constexpr,
                   DO_CMP: tl.constexpr, DO_SEL: tl.constexpr, DO_WIN: tl.constexpr, HAS_GATE: tl.constexpr,
                   CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
                   HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, CMP_EARLY: tl.constexpr = False,
-                  CMP_MERGE_EARLY: tl.constexpr = False, CMP_GROUP: tl.constexpr = 0):
+                  CMP_MERGE_EARLY: tl.constexpr = False, CMP_GROUP: tl.constexpr = 0,
+                  ROW_SYNC: tl.constexpr = False):
     bg = tl.program_id(0)
     part = tl.program_id(1)                                          # which BDV_S columns of d_v
     b = bg // G
@@ -743,15 +770,20 @@ def _merge_kernel(PM, PL, PACC, PCNT, GATE, OUT, MIX, READS, B, POS, n_sm,
         if CMP_MERGE_EARLY:
             # merged and stored before the wait as well: no launch of the step before this one reads what it writes
             mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
-    if CMP_EARLY:
+    if ROW_SYNC:
+        # this row's N_ROW window + selection programs have stored their partials (``ROW_SYNC``)
+        done = tl.atomic_add(DONE + bg, 0, sem="acquire", scope="gpu")
+        while done < N_ROW:
+            done = tl.atomic_add(DONE + bg, 0, sem="acquire", scope="gpu")
+    elif CMP_EARLY:
         _grid_dependency(GDC)
     if DO_SEL:
         m_s, l_s, a_s, n_s = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP + C_WIN, NC, CP_SEL, NC, BH,
-                                         BDV)
+                                         BDV, ROW_SYNC)
         g_s = _gate_col(GATE, row, 1, head_ok, HAS_GATE)
     if DO_WIN:
         m_w, l_w, a_w, n_w = _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, C_CMP, C_CMP + C_WIN, CP_WIN, NC,
-                                         BH, BDV)
+                                         BH, BDV, ROW_SYNC)
         g_w = _gate_col(GATE, row, 2, head_ok, HAS_GATE)
     if DO_CMP and not CMP_MERGE_EARLY:
         mix = _merge_store(m_c, l_c, a_c, n_c, 0, out, reads, plane, B * G, ok, first, g_c, mix, HAS_GATE)
@@ -937,7 +969,7 @@ def _probe_args(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype) -> tupl
     """The window + selection launch of a ``DecodeStep`` on ``p`` (it appends the token and runs every branch; q
     [B, H, d_k] and caches [B, t_max, G, d] contiguous, of ``dtype``) with dtypes for its tensors."""
     f32, i32 = torch.float32, torch.int32
-    return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32),
+    return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32, i32),
                         (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
                          t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
                         p.C_CMP, WIN_NOWAIT and p.gdc > 0, precision(dtype))
@@ -974,13 +1006,21 @@ def _partial_constexprs(p: Plan, cfg: NSAConfig, prec: str) -> dict:
                 BDV=p.BDV, PREC=prec, STAGES=p.stages, num_warps=PARTIAL_WARPS, GDC=p.gdc, launch_pdl=p.gdc > 0)
 
 
+def _row_sync(p: Plan, nowait: bool) -> bool:
+    """Whether a step on ``p`` merges each row as its window + selection programs end (``ROW_SYNC``): where the
+    window does not wait and above EARLY_TRIGGER_ROWS (the late trigger)."""
+    return ROW_SYNC and nowait and p.gdc == 3
+
+
 def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, nowait: bool,
                  prec: str) -> tuple[list, dict]:
     """The window + selection launch's arguments and settings: ``ptrs`` (q, k, v, k_new, v_new, idx, pos, pm, pl,
-    pacc, pcnt) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
+    pacc, pcnt, done) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
     v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo)."""
     kw = dict(_partial_constexprs(p, cfg, prec), WINDOW=cfg.window, N_SEL=cfg.n_selected, WIN_TILES=p.win_tiles,
               SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait, STAGES=p.win_stages)
+    if _row_sync(p, nowait):
+        kw.update(ROW_SYNC=True)
     return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
 
@@ -1013,6 +1053,7 @@ class Workspace:
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.mix = torch.zeros(p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.reads = torch.zeros(3, p.B, p.G, device=device, dtype=torch.int32)
+        self.done = torch.zeros(BG, device=device, dtype=torch.int32)   # per row: window + selection programs done
 
 
 
@@ -1062,6 +1103,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # that the window programs start under the scoring rather than under the top-n (H200, 2x caches: B=16 64k 77.7-77.9
     # against 78.5-78.6 us, 128k 124.6-124.9 against 125.9-126.2; docs/decisions.md, session 66)
     scores_pdl = dict(pdl, GDC=2 if nowait and p.gdc == 3 else p.gdc)
+    row_sync = _row_sync(p, nowait)
+    rs = dict(ROW_SYNC=True) if row_sync else {}
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
     qs, ks, vs = (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1),
@@ -1071,11 +1114,11 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     BG = B * p.G
     if want & {"cmp", "sel"}:
         _cmp_partial_kernel[(BG, p.C_CMP)](
-            q, k, v, k_cmp, v_cmp, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn, *qs, *ks, *vs,
-            k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
+            q, k, v, k_cmp, v_cmp, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.bsum, ws.bmax, kn, vn, ws.done, *qs, *ks,
+            *vs, k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
             scale_log2, n_sm, p.C_CMP, p.NC, p.n_tiles, **split, TB=p.tb, NBT=p.nbt, NBT_P=p.nbt_p, BN=p.BNC,
             WANT_V="cmp" in want, WRITE_SCORES="sel" in want, APPEND=fused, SUM_RESHAPE=p.sums_by_reshape,
-            **common)
+            **common, **rs)
     if "sel" in want:
         NBP, BJ = p.nbp, p.score_blocks
         _scores_kernel[(BG, NBP // BJ)](ws.pm, ws.pl, ws.bsum, ws.bmax, ws.cand, pos, n_sm, G=p.G, H_PER_G=p.h,
@@ -1088,19 +1131,20 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt),
+        args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.done),
                                 (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype))
         _winsel_partial_kernel[(BG, hi - lo)](*args, **kw)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
     _merge_kernel[(BG, p.BDV // BDV_S)](ws.pm, ws.pl, ws.pacc, ws.pcnt, gate if gate is not None else ws.mix, ws.out,
-                         ws.mix, ws.reads, B, pos, n_sm, G=p.G, H_PER_G=p.h, DV=p.d_v, C_WIN=p.C_WIN, NC=p.NC,
+                         ws.mix, ws.reads, ws.done, B, pos, n_sm, hi - lo, G=p.G, H_PER_G=p.h, DV=p.d_v,
+                         C_WIN=p.C_WIN, NC=p.NC,
                          CP_CMP=triton.next_power_of_2(p.C_CMP), CP_WIN=triton.next_power_of_2(p.C_WIN),
                          CP_SEL=triton.next_power_of_2(p.C_SEL), BH=p.BH, BDV=p.BDV, BDV_S=BDV_S,
                          DO_CMP="cmp" in want, DO_SEL="sel" in want, DO_WIN="win" in want,
                          HAS_GATE=gate is not None, num_warps=MERGE_WARPS, C_CMP=p.C_CMP,
-                         BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and p.gdc != 3,
-                         CMP_GROUP=p.merge_group, **split, **pdl)
+                         BNC=p.BNC, CMP_EARLY=cmp_early, CMP_MERGE_EARLY=cmp_early and (p.gdc != 3 or row_sync),
+                         CMP_GROUP=p.merge_group, **split, **pdl, **rs)
     for br in branches:
         dispatch.note(phase, br, "triton")
     i = {br: BRANCHES.index(br) for br in branches}
