@@ -37,7 +37,9 @@ next launch is let go when a kernel starts; for many, when its programs' loops a
 except the top-n, which lets it go before its own wait. Where the step appends the new token itself (``DecodeStep``
 given k_new/v_new) and runs all three branches, the window programs do not wait at all: they read nothing the step's
 earlier launches write (the new token's k/v come from its own buffer; ``WIN_NOWAIT``), so the window streams while
-the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t from the new token's row.)
+the top-n ranks. (``LayerDecodeStep`` runs the step so too: its φ takes token t from the new token's row.) There,
+above EARLY_TRIGGER_ROWS, the merge of a (row · KV head) starts as soon as that row's window + selection programs
+have stored their partials, counted per row, rather than when the whole launch has finished (``ROW_SYNC``).
 
 The grids are sized for the cache's capacity (a graph replays them at every position), the work for
 the tokens held: the compressed launch splits the compressed tokens at position t as it would split a
