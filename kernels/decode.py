@@ -133,7 +133,8 @@ EARLY_TRIGGER_ROWS = 16
 # EARLY_TRIGGER_ROWS) the merge also merges and stores the compressed branch (and its share of the gate mix) before
 # its wait (``_merge_kernel``'s CMP_MERGE_EARLY), so that after it only the window's and selection's few partials
 # remain. Under the late trigger (GDC 3) it merges after: the merge is launched only as the window + selection
-# programs end, so there is no time before its wait to fill (docs/decisions.md)
+# programs end, so there is no time before its wait to fill (docs/decisions.md); except under ``ROW_SYNC``, where it
+# is launched as that launch starts and merges the compressed branch before polling its row's count
 CMP_EARLY = True
 # The window programs of the window + selection launch start without waiting (``_winsel_partial_kernel``'s
 # WIN_NOWAIT, the new token read from its own buffer; where the step does the append: ``decode_attention``'s
