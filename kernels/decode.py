@@ -162,7 +162,8 @@ def _grid_dependency(GDC: tl.constexpr):
     launch before it triggering after its wait there, while the scoring runs:
     ``_winsel_partial_kernel``'s WIN_NOWAIT). Every kernel of a step waits before it reads what the
     launch before it wrote, so the order is that of plain stream launches (the non-waiting window
-    programs, which read nothing those launches write, aside).
+    programs, which read nothing those launches write, aside; and under ``ROW_SYNC`` the merge, which
+    waits on its row's count of window + selection programs instead).
 
     What a launch reads of launches further back may be read before the wait: launch N+1 starts
     only once every program of launch N has passed its own wait (a trigger with GDC 2 or 3 comes
@@ -658,15 +659,16 @@ def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr,
 
 @triton.jit
 def _merge_load(PM, PL, PACC, PCNT, bg, rows, offs_dv, lo, hi, CP: tl.constexpr,
-                NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, CG: tl.constexpr = False):
+                NC: tl.constexpr, BH: tl.constexpr, BDV: tl.constexpr, L2_ONLY: tl.constexpr = False):
     """Chunks [lo, hi) of one (row · KV head), d_v columns offs_dv [BDV_S]: (m [CP, BH], l [CP, BH],
     acc [CP, BH, BDV_S], tokens read), all loaded at once. CP: at least hi − lo, a power of two."""
     ch = lo + tl.arange(0, CP)
     ok = ch < hi
     out = (bg * NC + ch).to(tl.int64)
     part = out[:, None] * BH + rows[None, :]                           # [CP, BH]
-    # CG: from L2, past this SM's L1 (partials a program of this launch saw stored only through a count it polled)
-    mod: tl.constexpr = ".cg" if CG else ""
+    # L2_ONLY: from L2, past this SM's L1 (partials a program of this launch saw stored only through a count it polled;
+    # a row's compressed and window counts share sectors, so an earlier load may have brought stale lines into L1)
+    mod: tl.constexpr = ".cg" if L2_ONLY else ""
     pm = tl.load(PM + part, mask=ok[:, None], other=float("-inf"), cache_modifier=mod)
     pl = tl.load(PL + part, mask=ok[:, None], other=0.0, cache_modifier=mod)
     acc = tl.load(PACC + part[:, :, None] * BDV + offs_dv[None, None, :], mask=ok[:, None, None], other=0.0,
@@ -1009,20 +1011,24 @@ def _partial_constexprs(p: Plan, cfg: NSAConfig, prec: str) -> dict:
                 BDV=p.BDV, PREC=prec, STAGES=p.stages, num_warps=PARTIAL_WARPS, GDC=p.gdc, launch_pdl=p.gdc > 0)
 
 
-def _row_sync(p: Plan, nowait: bool) -> bool:
+def _row_sync(p: Plan, nowait: bool, cmp: bool = True) -> bool:
     """Whether a step on ``p`` merges each row as its window + selection programs end (``ROW_SYNC``): where the
-    window does not wait and above EARLY_TRIGGER_ROWS (the late trigger)."""
-    return ROW_SYNC and nowait and p.gdc == 3
+    window does not wait, above EARLY_TRIGGER_ROWS (the late trigger) and with the compressed branch (``cmp``: else
+    the merge has nothing to do before it polls). The counts' reset rests on the scores launch triggering after its
+    wait there (``decode_attention``'s scores_pdl) and on its first program of a row never returning idle: then the
+    compressed launch, which zeroes them, has finished before any window program starts."""
+    return ROW_SYNC and nowait and p.gdc == 3 and cmp
 
 
 def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, nowait: bool,
-                 prec: str) -> tuple[list, dict]:
+                 prec: str, cmp: bool = True) -> tuple[list, dict]:
     """The window + selection launch's arguments and settings: ``ptrs`` (q, k, v, k_new, v_new, idx, pos, pm, pl,
     pacc, pcnt, done) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
-    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo)."""
+    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo); ``cmp`` whether the step runs the
+    compressed branch (``_row_sync``)."""
     kw = dict(_partial_constexprs(p, cfg, prec), WINDOW=cfg.window, N_SEL=cfg.n_selected, WIN_TILES=p.win_tiles,
               SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait, STAGES=p.win_stages)
-    if _row_sync(p, nowait):
+    if _row_sync(p, nowait, cmp):
         kw.update(ROW_SYNC=True)
     return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
@@ -1106,7 +1112,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     # that the window programs start under the scoring rather than under the top-n (H200, 2x caches: B=16 64k 77.7-77.9
     # against 78.5-78.6 us, 128k 124.6-124.9 against 125.9-126.2; docs/decisions.md, session 66)
     scores_pdl = dict(pdl, GDC=2 if nowait and p.gdc == 3 else p.gdc)
-    row_sync = _row_sync(p, nowait)
+    row_sync = _row_sync(p, nowait, "cmp" in want)
     rs = dict(ROW_SYNC=True) if row_sync else {}
     if append is not None and not fused:
         append_token(k, v, *append, pos, cfg, p.gdc)
@@ -1135,7 +1141,8 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
         args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.done),
-                                (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype))
+                                (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype),
+                                "cmp" in want)
         _winsel_partial_kernel[(BG, hi - lo)](*args, **kw)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
