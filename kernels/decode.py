@@ -974,10 +974,11 @@ def _probe_args(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype) -> tupl
     """The window + selection launch of a ``DecodeStep`` on ``p`` (it appends the token and runs every branch; q
     [B, H, d_k] and caches [B, t_max, G, d] contiguous, of ``dtype``) with dtypes for its tensors."""
     f32, i32 = torch.float32, torch.int32
+    nowait = WIN_NOWAIT and p.gdc > 0
     return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32, i32),
                         (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
                          t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
-                        p.C_CMP, WIN_NOWAIT and p.gdc > 0, precision(dtype))
+                        p.C_CMP, nowait, precision(dtype), _row_sync(p, nowait))
 
 
 def _fits_per_sm(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype, device, programs: int) -> bool:
@@ -1021,14 +1022,14 @@ def _row_sync(p: Plan, nowait: bool, cmp: bool = True) -> bool:
 
 
 def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, nowait: bool,
-                 prec: str, cmp: bool = True) -> tuple[list, dict]:
+                 prec: str, row_sync: bool) -> tuple[list, dict]:
     """The window + selection launch's arguments and settings: ``ptrs`` (q, k, v, k_new, v_new, idx, pos, pm, pl,
     pacc, pcnt, done) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
-    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo); ``cmp`` whether the step runs the
-    compressed branch (``_row_sync``)."""
+    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo); ``row_sync`` the step's
+    ``_row_sync``."""
     kw = dict(_partial_constexprs(p, cfg, prec), WINDOW=cfg.window, N_SEL=cfg.n_selected, WIN_TILES=p.win_tiles,
               SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait, STAGES=p.win_stages)
-    if _row_sync(p, nowait, cmp):
+    if row_sync:
         kw.update(ROW_SYNC=True)
     return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
@@ -1107,11 +1108,12 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     kn, vn = (a.contiguous() for a in append) if fused else (q, q)
     nowait = (WIN_NOWAIT and p.gdc > 0 and fused and "sel" in want and "win" in want
               and kn.dtype == k.dtype and vn.dtype == v.dtype)
-    topn_pdl = dict(pdl, GDC=4 if nowait and p.gdc == 3 else p.gdc)
+    late_nowait = nowait and p.gdc == 3
+    topn_pdl = dict(pdl, GDC=4 if late_nowait else p.gdc)
     # and the scores launch lets the top-n go once its programs have passed their wait (GDC 2, not at their end), so
     # that the window programs start under the scoring rather than under the top-n (H200, 2x caches: B=16 64k 77.7-77.9
     # against 78.5-78.6 us, 128k 124.6-124.9 against 125.9-126.2; docs/decisions.md, session 66)
-    scores_pdl = dict(pdl, GDC=2 if nowait and p.gdc == 3 else p.gdc)
+    scores_pdl = dict(pdl, GDC=2 if late_nowait else p.gdc)
     row_sync = _row_sync(p, nowait, "cmp" in want)
     rs = dict(ROW_SYNC=True) if row_sync else {}
     if append is not None and not fused:
@@ -1142,7 +1144,7 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
     if want & {"win", "sel"}:
         args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.done),
                                 (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype),
-                                "cmp" in want)
+                                row_sync)
         _winsel_partial_kernel[(BG, hi - lo)](*args, **kw)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
