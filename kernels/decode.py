@@ -109,7 +109,9 @@ SUMS_BY_RESHAPE = True
 # The merge's compressed partials, where more than MERGE_GROUP chunks and B·G above EARLY_TRIGGER_ROWS: loaded and
 # merged MERGE_GROUP chunks at a time, only the groups that hold chunks in use at the position (``_merge_groups``).
 # Loaded all at once, a cache with room to grow costs the merge the capacity's chunks (masked loads): B=16 128k on a
-# 2x cache, 16 chunks of which 8 in use, took 2 us longer to merge than on a full cache. Groups of 4 were slower.
+# 2x cache, 16 chunks of which 8 in use, took 2 us longer to merge than on a full cache; groups of 4 there were slower.
+# With MERGE_GROUP chunks (B=16 64k on a 2x cache: 8, of which 4 in use) the merge takes them in groups of half as
+# many, where the full cache's merge loaded them at once (H200: 77.9-78.0 us against 79.3-79.4; docs/decisions.md)
 # Below EARLY_TRIGGER_ROWS the merge loads the compressed partials before its wait, beside the window + selection
 # launch: one load of all, off the step's critical path (docs/decisions.md)
 MERGE_GROUP = 8
@@ -1036,8 +1038,11 @@ def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, 
 
 def merge_group(c_cmp: int, rows: int) -> int:
     """Compressed chunks the merge loads at a time (``Plan.merge_group``) for ``c_cmp`` chunks over ``rows`` = B·G:
-    MERGE_GROUP above EARLY_TRIGGER_ROWS where the chunks are more, else 0 (all at once)."""
-    return MERGE_GROUP if rows > EARLY_TRIGGER_ROWS and c_cmp > MERGE_GROUP else 0
+    above EARLY_TRIGGER_ROWS, MERGE_GROUP, or half the chunks' power of two where that is fewer, once they are
+    MERGE_GROUP or more; else 0 (all at once)."""
+    if rows <= EARLY_TRIGGER_ROWS or c_cmp < MERGE_GROUP:
+        return 0
+    return min(MERGE_GROUP, triton.next_power_of_2(c_cmp) // 2)
 
 
 def kept_keys(cfg: NSAConfig, bj: int, all_keys: bool = False) -> int:
