@@ -112,7 +112,7 @@ SUMS_BY_RESHAPE = True
 # 2x cache, 16 chunks of which 8 in use, took 2 us longer to merge than on a full cache; groups of 4 there were slower.
 # With exactly MERGE_GROUP chunks (B=16 64k on a 2x cache: 8, of which 4 in use) it takes them in groups of half as
 # many: the 2x cache's merge then loads what the full cache's does (B=16 64k: ~1 us off the step), and a cache whose
-# chunks are all in use pays a second group (a full 128k cache: 1-2 us; docs/decisions.md, session 68)
+# chunks are all in use pays a second group (a full 128k cache: up to 3 us; docs/decisions.md, session 68)
 # Below EARLY_TRIGGER_ROWS the merge loads the compressed partials before its wait, beside the window + selection
 # launch: one load of all, off the step's critical path (docs/decisions.md)
 MERGE_GROUP = 8
