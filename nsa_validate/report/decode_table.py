@@ -59,7 +59,9 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "loop_host_bound": "loop_ms > 1.5 × layer_ms: the host, not the GPU, sets the loop's pace",
     "tokens_read": "tokens per KV head the step read (cmp + sel + win), from the kernel's own counters",
     "bytes": "tokens_read × (d_k + d_v) × bytes/elem × G × B",
-    "achieved_gbs": "bytes / step_ms", "pct_copy_bw": "achieved / measured device copy bandwidth, %",
+    "achieved_gbs": "bytes / step_ms", "pct_copy_bw": "achieved / copy_gbs, %",
+    "copy_gbs": "the device copy bandwidth this row's process measured (1 GiB copy, read + write, GB/s): each of the "
+                "suite's processes measures its own",
     "pct_spec_bw": "achieved / the profile's spec-sheet bandwidth, %",
     "launch_bound": "eager/graph > 1.5, the time flat in S while bytes grow, or a CPU timer (roofline.label)",
     "launch_bound_why": "which sign, with the figures",
@@ -120,6 +122,17 @@ def finish(rows: list[dict], extra, notes: list[str] = (), meta: dict | None = N
     return df
 
 
+def copy_note(rows: list[dict]) -> str | None:
+    """The report's line on the copy bandwidth the rows' % copy bw divide by: each bench process measures its
+    own (``copy_gbs`` per row), so where they differ it gives their range, not one process's figure."""
+    copy = sorted(r["copy_gbs"] for r in rows if r.get("copy_gbs"))
+    if not copy:
+        return None
+    seen = f"{copy[0]:.0f} GB/s" if round(copy[0]) == round(copy[-1]) else (
+        f"{copy[0]:.0f}-{copy[-1]:.0f} GB/s over the bench's processes (each row's % copy bw against its own)")
+    return f"measured device copy bandwidth: {seen} (1 GiB copy, read + write)"
+
+
 def summarise(cases, ctx, extra) -> None:
     """The decode suite's summary (registry): from the bench cases' rows (``metrics["row"]``), the
     labels, CSV, plots and report table (``finish``) and the headline figures at the largest batch
@@ -130,9 +143,8 @@ def summarise(cases, ctx, extra) -> None:
     gpu = rows[0].get("gpu") or "CPU (Triton interpreter; timings are host time, noise)"
     cfg = ctx.profile.suites.decode
     notes = [f"decode bench on {gpu}: {rows[0].get('config', '')}, {cfg.dtype}", ctx.expect_note()]
-    copy_gbs = rows[0].get("copy_gbs")
-    if copy_gbs:
-        notes.append(f"measured device copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB copy, read + write)")
+    if note := copy_note(rows):
+        notes.append(note)
     df = finish(rows, extra, notes, meta=ctx.run_meta(dtype=cfg.dtype))
     top = df[df.B == df.B.max()].sort_values("S").iloc[-1]
     noise = " (CPU timer: host time, noise)" if top.timer == "cpu" else ""

@@ -100,3 +100,14 @@ def test_dram_rows_put_each_launch_beside_its_formula_share():
     assert rows[1]["read / formula"] == "1.005" and rows[4]["read / formula"] == "0.922" and rows[0]["read / formula"] == ""
     assert rows[-1]["DRAM read MB"] == "415.53" and rows[-1]["read / formula"] == "1.043"
     assert "392.89 MB distinct" in rows[-1]["kernel"]
+
+
+def test_the_copy_bandwidth_note_gives_every_process_s_figure():
+    """Each bench process measures the copy bandwidth its rows' % divide by: the report's line names one figure
+    only where they agree, else their range (a pod's processes measured 4198-4240 GB/s)."""
+    from nsa_validate.report import decode_table
+    assert decode_table.copy_note([{"copy_gbs": None}]) is None
+    same = decode_table.copy_note([{"copy_gbs": 4235.2}, {"copy_gbs": 4234.9}])
+    assert "4235 GB/s" in same and "-" not in same.split(":")[1].split("(")[0]
+    spread = decode_table.copy_note([{"copy_gbs": 4237.0}, {"copy_gbs": 4198.4}, {"copy_gbs": 4240.2}])
+    assert "4198-4240 GB/s" in spread and "each row's % copy bw against its own" in spread
