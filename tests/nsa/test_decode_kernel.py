@@ -186,6 +186,16 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
+def test_the_merge_groups_compressed_chunks_only_above_the_early_trigger():
+    """``merge_group``: all at once at B·G up to EARLY_TRIGGER_ROWS or below MERGE_GROUP chunks; above, groups of half
+    the chunks' power of two, at most MERGE_GROUP (8 chunks, of which a 2x cache at B=16 64k uses 4: groups of 4)."""
+    from kernels.decode import EARLY_TRIGGER_ROWS, MERGE_GROUP, merge_group
+    many = EARLY_TRIGGER_ROWS + 1
+    assert merge_group(64, EARLY_TRIGGER_ROWS) == 0 and merge_group(MERGE_GROUP - 1, many) == 0
+    assert merge_group(MERGE_GROUP, many) == MERGE_GROUP // 2
+    assert [merge_group(c, many) for c in (MERGE_GROUP + 1, 2 * MERGE_GROUP, 8 * MERGE_GROUP)] == [MERGE_GROUP] * 3
+
+
 @pytest.mark.parametrize("merge", ["merge-at-once", "merge-in-groups"])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
 def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypatch):
@@ -199,8 +209,8 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
     vary. The chunk is the top-n launch's alone (``top_n``): the step runs with chunks of 16, then its
     top-n again over chunks of 4 on the step's own candidate keys, which must give the oracle's blocks
     too (the launches after it would then see the blocks they saw). ``merge-in-groups``: the merge takes the
-    compressed partials a chunk at a time (``MERGE_GROUP`` 1, as a GPU does at B·G above EARLY_TRIGGER_ROWS by
-    groups of MERGE_GROUP), as many as are in use, whatever the capacity."""
+    compressed partials a chunk at a time (groups of 1, as a GPU does at B·G above EARLY_TRIGGER_ROWS by groups of
+    ``merge_group``), as many as are in use, whatever the capacity."""
     from kernels import decode
     if merge == "merge-in-groups":
         # (the rule's B·G bound aside)
