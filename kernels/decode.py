@@ -518,10 +518,18 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
                    NBP: tl.constexpr, BJ: tl.constexpr, KC: tl.constexpr, OVT: tl.constexpr, BLOCK: tl.constexpr,
                    CMP_LEN: tl.constexpr, CMP_STRIDE: tl.constexpr, BNC: tl.constexpr, CMP_TILES: tl.constexpr,
                    HALVINGS: tl.constexpr, GDC: tl.constexpr = 0, IDLE_EXIT: tl.constexpr = False):
-    """Selection-block scores of blocks [pid1·BJ, (pid1+1)·BJ) of one (row · KV head), for the blocks up to
+    """Selection-block scores of blocks [grp·BJ, (grp+1)·BJ) of one (row · KV head), for the blocks up to
     the new token's, and the KC best of them as top-n keys (``_candidates``) -> CAND [BG, NBP / BJ · KC]
-    (slots pid1·KC ..): the top-n ranks those. A program past the new token's block does nothing."""
+    (slots grp·KC ..): the top-n ranks those. A program past the new token's block does nothing. grp is
+    pid1, or with IDLE_EXIT the groups from the last: the GPU dispatches the programs pid1 by pid1 (all rows'
+    first, then their second, ...), so that the idle groups of a cache with room to grow, dispatched first,
+    have come and gone while the compressed launch ends, and the live ones are not followed by the idle ones'
+    dispatch (2,048 programs at B=16 128k on a 2x cache), which the top-n would wait for (docs/decisions.md)."""
     bg = tl.program_id(0)
+    if IDLE_EXIT:
+        grp = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        grp = tl.program_id(1)
     # the position is written by work that ended two launches back or more (``_grid_dependency``): read
     # while the compressed launch finishes
     t = tl.load(POS + bg // G)
@@ -530,17 +538,17 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
         # free their slots while the compressed launch still runs (they let the top-n go as they end). Only above
         # EARLY_TRIGGER_ROWS: at few rows this branch made the step slower even where no program takes it
         # (docs/decisions.md)
-        if tl.program_id(1) * BJ > t // BLOCK:
+        if grp * BJ > t // BLOCK:
             return
     _grid_dependency(GDC)
-    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    j = grp * BJ + tl.arange(0, BJ)
     # a program past the new token's block loads nothing and stores nothing (masks, not a branch: a
     # branch around the body made the step slower at B=1: docs/decisions.md)
-    live = tl.program_id(1) * BJ <= t // BLOCK
+    live = grp * BJ <= t // BLOCK
     # the same as masks of the loads and stores, written on vectors: the interpreter (Triton 3.9) mistypes masks
     # built from loaded scalars
     live_j = j - tl.arange(0, BJ) <= t // BLOCK
-    live_k = tl.program_id(1) * BJ + 0 * tl.arange(0, KC) <= t // BLOCK
+    live_k = grp * BJ + 0 * tl.arange(0, KC) <= t // BLOCK
     # the chunks and tiles the compressed launch wrote at this position (``_cmp_split``)
     _, held, _, n_ch = _cmp_split(t, tl.num_programs(0), n_sm, CMP_LEN, CMP_STRIDE, BNC, CMP_TILES, HALVINGS, C_CMP)
     rows = tl.arange(0, BH)
@@ -569,7 +577,7 @@ def _scores_kernel(PM, PL, BSUM, BMAX, CAND, POS, n_sm,
             bs = tl.load(BSUM + at * NBT + local, mask=ok, other=0.0)
             score += bs * tl.exp2(mt - m_h) * inv_h
     cand = _candidates(score, j, t // BLOCK, BJ, KC)
-    tl.store(CAND + (bg * tl.num_programs(1) + tl.program_id(1)) * KC + tl.arange(0, KC), cand, mask=live_k)
+    tl.store(CAND + (bg * tl.num_programs(1) + grp) * KC + tl.arange(0, KC), cand, mask=live_k)
     _grid_release(GDC)
 
 

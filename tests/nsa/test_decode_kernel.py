@@ -210,11 +210,18 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
     top-n again over chunks of 4 on the step's own candidate keys, which must give the oracle's blocks
     too (the launches after it would then see the blocks they saw). ``merge-in-groups``: the merge takes the
     compressed partials a chunk at a time (groups of 1, as a GPU does at B·G above EARLY_TRIGGER_ROWS by groups of
-    ``merge_group``), as many as are in use, whatever the capacity."""
+    ``merge_group``), as many as are in use, whatever the capacity; and there the step runs as it does above
+    EARLY_TRIGGER_ROWS (the late trigger, its waits no-ops: the interpreter runs launches one after another), so
+    that the scorer's idle programs return before their wait and its groups are taken from the last
+    (``_scores_kernel``'s IDLE_EXIT)."""
+    import triton.language as tl
     from kernels import decode
     if merge == "merge-in-groups":
         # (the rule's B·G bound aside)
         monkeypatch.setattr(decode, "merge_group", lambda c_cmp, rows: 1 if c_cmp > 1 else 0)
+        monkeypatch.setattr(decode, "_gdc", lambda device, rows: 3)
+        monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **k: None)
+        monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **k: None)
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
     monkeypatch.setattr(decode, "SCORE_BLOCKS", 8)
@@ -233,6 +240,7 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
             step = decode.DecodeStep(cfg, cache)
             assert step.plan.nbp >= cap // cfg.block_size
             assert step.plan.merge_group == (1 if merge == "merge-in-groups" and step.plan.C_CMP > 1 else 0)
+            assert step.plan.gdc == (3 if merge == "merge-in-groups" else 0)
             kept_best |= step.plan.cands < step.plan.score_blocks
             oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
             with monkeypatch.context() as mp:
