@@ -1,8 +1,8 @@
 """Triton NSA decode step: selection for the new token, then all three branches for all h heads
 of a KV group, split over the context (flash-decoding style), with no host synchronisation.
 
-A step is five launches over preallocated buffers (``LAUNCHES``), so it can be captured in a CUDA
-graph (the position is a device tensor; no shape depends on it):
+A step is five launches (four at few rows: item 2) over preallocated buffers (``LAUNCHES``), so it can
+be captured in a CUDA graph (the position is a device tensor; no shape depends on it):
 
 1. ``_cmp_partial_kernel`` over the compressed cache: one program per (batch row · KV head, chunk of
    compressed tokens). Given the new token's k/v (``DecodeStep``), it first writes them into the raw
@@ -21,7 +21,9 @@ graph (the position is a device tensor; no shape depends on it):
    heads: the selection-block scores, turned into top-n keys (``_candidates``), of which each program
    keeps its best n; ``_topn_kernel`` (one program
    per (row · KV head)) takes the top n of those (block 0 and the two local blocks forced; ties to the
-   lower index), written ascending and −1 padded: exactly docs/nsa.md.
+   lower index), written ascending and −1 padded: exactly docs/nsa.md. Under the early trigger at B·G up to
+   ``TOPN_IN_SELECTION_ROWS`` there is no top-n launch: each selection program of launch 3 ranks its row's
+   candidates itself (a step of four launches).
 3. ``_winsel_partial_kernel`` over the window (positions max(0, t−w+1) .. t) and the selected blocks
    (positions j·l' .. min(j·l'+l', t+1)−1), in tiles of one selection block (two at B·G 9–16:
    ``TWO_BLOCK_TILES``).
@@ -75,7 +77,8 @@ from nsa_core.config import BRANCHES, NSAConfig
 # merge program's d_v columns: ``_launch_shape``
 PARTIAL_WARPS, SELECT_WARPS, MERGE_WARPS = 4, 8, 4
 # ``DecodeStep``'s launches, in launch order (the decode suite labels Nsight Compute's per-kernel
-# rows with them), and which branches' cache tokens each launch reads
+# rows with them; at B·G up to TOPN_IN_SELECTION_ROWS on Hopper, all but the top-n), and which branches' cache
+# tokens each launch reads
 LAUNCHES = ("append + compressed partial (+ block sums)", "block scores", "top-n", "window + selection partial",
             "merge")
 CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window + selection partial": ("sel", "win")}
@@ -152,6 +155,11 @@ WIN_NOWAIT = True
 # wait: by the chain in ``_grid_dependency`` it has finished before any window program starts). The merge's tail
 # after the last window + selection program is then one row's, not the launch's (docs/decisions.md)
 ROW_SYNC = True
+# B·G up to which the step makes no top-n launch: under the early trigger each selection program ranks its row's
+# candidates itself before its loop (``_winsel_partial_kernel``'s TOPN) and the window + selection launch follows the
+# scores launch, one link fewer in a chain of latency-bound launches. Faster at B=1 and 2, slower at B=4 (B·G 16,
+# two-block tiles) on the H200 (docs/decisions.md, session 69)
+TOPN_IN_SELECTION_ROWS = 8
 
 
 @triton.jit
@@ -406,17 +414,23 @@ def _cmp_partial_kernel(Q, K, V, KC, VC, POS, PM, PL, PACC, PCNT, BSUM, BMAX, KN
 
 
 @triton.jit
-def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT, DONE,
+def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT, DONE, CAND,
                            sqb, sqh, skb, skt, skg, svb, svt, svg, sib, sig, scale_log2, c_lo, C_CMP, C_WIN, NC,
                            G: tl.constexpr, H_PER_G: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
                            N_SEL: tl.constexpr, WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                            BDA: tl.constexpr, BDB: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
                            STAGES: tl.constexpr, GDC: tl.constexpr = 0, BPT: tl.constexpr = 1,
-                           WIN_NOWAIT: tl.constexpr = False, ROW_SYNC: tl.constexpr = False):
+                           WIN_NOWAIT: tl.constexpr = False, ROW_SYNC: tl.constexpr = False,
+                           TOPN: tl.constexpr = False, NSP: tl.constexpr = 0, BJ: tl.constexpr = 0,
+                           KC: tl.constexpr = 0, NK: tl.constexpr = 0, CH: tl.constexpr = 0,
+                           HALF: tl.constexpr = False):
     """Launch 4: program (bg, c − c_lo) over chunk c of the partials: the window's chunks C_CMP ..
     C_CMP + C_WIN − 1, then the selection's (c_lo = C_CMP + C_WIN when the window does not run).
-    C_CMP, C_WIN and NC are plain arguments, as in ``_cmp_partial_kernel``."""
+    C_CMP, C_WIN and NC are plain arguments, as in ``_cmp_partial_kernel``. TOPN (``TOPN_IN_SELECTION_ROWS``):
+    no top-n launch before this one; each selection program ranks its row's candidates CAND itself
+    (``_topn_blocks``, with the top-n launch's NSP, BJ, KC, NK, CH, HALF) and the row's first one writes the
+    blocks to IDX."""
     bg = tl.program_id(0)
     c = tl.program_id(1) + c_lo
     is_win = c < C_CMP + C_WIN
@@ -462,7 +476,20 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT, DONE,
     row_v = V + b * svb + g * svg
     run_k = offs_n * skt
     run_v = offs_n * svt
-    if BPT == 1:
+    if TOPN:
+        # the row's blocks ranked here (the window programs rank nothing: their block numbers stay unused), those of
+        # this program's slots picked from them before the loop
+        ar_s = tl.arange(0, SEL_TILES * BPT)
+        j_all = tl.full([SEL_TILES * BPT], -1, tl.int32)
+        if not is_win:
+            blocks, n_take = _topn_blocks(CAND, bg, t, BLOCK, N_SEL, NSP, BJ, KC, NK, CH, HALF)
+            r = tl.arange(0, blocks.shape[0])
+            # slot s0·BPT + i holds blocks[s0·BPT + i] where taken, else −1 (a sum of one term, or of none: −1)
+            j_all = tl.sum(tl.where((r[None, :] == s0 * BPT + ar_s[:, None]) & (r[None, :] < n_take),
+                                    blocks[None, :] + 1, 0), 1) - 1
+            if c == C_CMP + C_WIN:
+                _topn_store(sel_row, blocks, n_take, N_SEL, NSP)
+    elif BPT == 1:
         # the program's block numbers, loaded once before the loop: no tile's K/V addresses wait on a load inside it
         ar_s = tl.arange(0, SEL_TILES)
         win_s = c + 0 * ar_s < C_CMP + C_WIN
@@ -485,7 +512,10 @@ def _winsel_partial_kernel(Q, K, V, KN, VN, IDX, POS, PM, PL, PACC, PCNT, DONE,
             win_n = c + 0 * offs_n < C_CMP + C_WIN    # is_win as a vector (the interpreter: scalar masks)
             kw = w0 + ti * BN + offs_n
             slot = (s0 + ti) * BPT + offs_n // BLOCK
-            j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
+            if TOPN:
+                j = tl.sum(tl.where(ar_s[None, :] == (slot - s0 * BPT)[:, None], j_all[None, :], 0), 1)
+            else:
+                j = tl.load(tl.where(is_win, POS + b, sel_row + tl.minimum(slot, N_SEL - 1)))
             ks = j * BLOCK + offs_n % BLOCK
             ok_s = (j >= 0) & (slot < N_SEL)
             kpos = tl.where(win_n, kw, ks)
@@ -624,21 +654,15 @@ def _topn_chunks(CAND, bg, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.co
 
 
 @triton.jit
-def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
-                 NSP: tl.constexpr, BJ: tl.constexpr, KC: tl.constexpr, NK: tl.constexpr, CH: tl.constexpr,
-                 GDC: tl.constexpr = 0, HALF: tl.constexpr = False):
-    """Top-n blocks of one (row · KV head): forced block 0 and the two local blocks, then the highest
-    scores among the other causal blocks, ties to the lower index; written ascending, −1 padded. It ranks
-    the keys the scorer kept (``_candidates``: KC of each group of BJ blocks, CAND [B·G, NK]) of the groups
-    up to the new token's block, CH keys at a time, a bitonic top-KP (``tl.topk``) of each chunk kept with
-    the best so far by a top-KP of the 2·KP: a cache with room to grow ranks only the groups its tokens
-    reach. The picks and the forced blocks (the distinct ones) are then sorted ascending, a sort of 2·KP."""
-    # the position is written by work that ended two launches back or more (``_grid_dependency``)
-    b = tl.program_id(0) // G
-    t = tl.load(POS + b)
-    _grid_dependency(GDC)
-    bg = tl.program_id(0)
-    g = bg % G
+def _topn_blocks(CAND, bg, t, BLOCK: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr, BJ: tl.constexpr,
+                 KC: tl.constexpr, NK: tl.constexpr, CH: tl.constexpr, HALF: tl.constexpr):
+    """Top-n blocks of (row · KV head) bg for the token at t: forced block 0 and the two local blocks, then the
+    highest scores among the other causal blocks, ties to the lower index. It ranks the keys the scorer kept
+    (``_candidates``: KC of each group of BJ blocks, CAND [B·G, NK]) of the groups up to the new token's block, CH
+    keys at a time, a bitonic top-KP (``tl.topk``) of each chunk kept with the best so far by a top-KP of the
+    2·KP: a cache with room to grow ranks only the groups its tokens reach. The picks and the forced blocks (the
+    distinct ones) are then sorted ascending, a sort of 2·KP -> (blocks [2·KP] int32, ascending, 2^31 − 1 past
+    the n_take taken; n_take)."""
     cur = t // BLOCK
     KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the keys
     n_keys = (cur // BJ + 1) * KC
@@ -658,14 +682,32 @@ def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr,
     # there are at least n_take − n_forced free causal blocks: every pick below is a real block
     pick = tl.where(s < n_take - n_forced, BIG - (top & BIG).to(tl.int32), BIG)
     forced = tl.where(s == 0, 0, tl.where(((s == 1) & (cur >= 2)) | ((s == 2) & (cur >= 1)), cur - 2 + s, BIG))
-    blocks = tl.sort(tl.reshape(tl.join(pick, forced), [2 * KP]), 0)     # ascending, BIG last
-    _grid_release(GDC)
-    dst = IDX + b * sib + g * sig
-    r = tl.arange(0, 2 * KP)
-    tl.store(dst + r, tl.where(r < n_take, blocks, -1), mask=r < N_SEL)
-    if 2 * KP < N_SEL:          # fewer than n/2 keys a chunk: the slots past the sort's are unused
+    return tl.sort(tl.reshape(tl.join(pick, forced), [2 * KP]), 0), n_take
+
+
+@triton.jit
+def _topn_store(IDX, blocks, n_take, N_SEL: tl.constexpr, NSP: tl.constexpr):
+    """``_topn_blocks``' blocks into one row of the index buffer (IDX: its first slot): ascending, −1 padded."""
+    r = tl.arange(0, blocks.shape[0])
+    tl.store(IDX + r, tl.where(r < n_take, blocks, -1), mask=r < N_SEL)
+    if blocks.shape[0] < N_SEL:          # fewer than n/2 keys a chunk: the slots past the sort's are unused
         r2 = tl.arange(0, NSP)
-        tl.store(dst + r2, tl.full([NSP], -1, tl.int32), mask=(r2 >= 2 * KP) & (r2 < N_SEL))
+        tl.store(IDX + r2, tl.full([NSP], -1, tl.int32), mask=(r2 >= blocks.shape[0]) & (r2 < N_SEL))
+
+
+@triton.jit
+def _topn_kernel(CAND, POS, IDX, sib, sig, G: tl.constexpr, BLOCK: tl.constexpr, N_SEL: tl.constexpr,
+                 NSP: tl.constexpr, BJ: tl.constexpr, KC: tl.constexpr, NK: tl.constexpr, CH: tl.constexpr,
+                 GDC: tl.constexpr = 0, HALF: tl.constexpr = False):
+    """Top-n blocks of one (row · KV head) (``_topn_blocks``), written ascending, −1 padded: exactly docs/nsa.md."""
+    # the position is written by work that ended two launches back or more (``_grid_dependency``)
+    b = tl.program_id(0) // G
+    t = tl.load(POS + b)
+    _grid_dependency(GDC)
+    bg = tl.program_id(0)
+    blocks, n_take = _topn_blocks(CAND, bg, t, BLOCK, N_SEL, NSP, BJ, KC, NK, CH, HALF)
+    _grid_release(GDC)
+    _topn_store(IDX + b * sib + (bg % G) * sig, blocks, n_take, N_SEL, NSP)
 
 
 @triton.jit
@@ -921,6 +963,8 @@ class Plan:
     cands: int
     # compressed chunks the merge loads at a time (``_merge_groups``; 0: all C_CMP at once, ``MERGE_GROUP``)
     merge_group: int
+    # no top-n launch: the selection programs rank (``TOPN_IN_SELECTION_ROWS``; a step running the selection)
+    topn_in_selection: bool
 
     @property
     def NC(self) -> int:
@@ -958,7 +1002,8 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
              ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
              tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
              *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-             kept_keys(cfg, bj), merge_group(c_cmp, B * G))
+             kept_keys(cfg, bj), merge_group(c_cmp, B * G),
+             _gdc(device, B * G) == 2 and B * G <= TOPN_IN_SELECTION_ROWS)
     if p.win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
         t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
         c_win, c_sel = triton.cdiv(win_t, t), triton.cdiv(sel_t, t)
@@ -986,10 +1031,10 @@ def _probe_args(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype) -> tupl
     [B, H, d_k] and caches [B, t_max, G, d] contiguous, of ``dtype``) with dtypes for its tensors."""
     f32, i32 = torch.float32, torch.int32
     nowait = WIN_NOWAIT and p.gdc > 0
-    return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32, i32),
+    return _winsel_args(p, cfg, (dtype,) * 5 + (i32, i32, f32, f32, f32, i32, i32, torch.int64),
                         (p.G * p.h * p.d_k, p.d_k, t_max * p.G * p.d_k, p.G * p.d_k, p.d_k,
                          t_max * p.G * p.d_v, p.G * p.d_v, p.d_v, p.G * p.n_sel, p.n_sel),
-                        p.C_CMP, nowait, precision(dtype), _row_sync(p, nowait))
+                        p.C_CMP, nowait, precision(dtype), _row_sync(p, nowait), p.topn_in_selection)
 
 
 def _fits_per_sm(p: Plan, cfg: NSAConfig, t_max: int, dtype: torch.dtype, device, programs: int) -> bool:
@@ -1033,15 +1078,18 @@ def _row_sync(p: Plan, nowait: bool, cmp: bool = True) -> bool:
 
 
 def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, nowait: bool,
-                 prec: str, row_sync: bool) -> tuple[list, dict]:
+                 prec: str, row_sync: bool, topn: bool) -> tuple[list, dict]:
     """The window + selection launch's arguments and settings: ``ptrs`` (q, k, v, k_new, v_new, idx, pos, pm, pl,
-    pacc, pcnt, done) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two, k's three,
-    v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo); ``row_sync`` the step's
-    ``_row_sync``."""
+    pacc, pcnt, done, cand) as tensors, or as dtypes for a compile alone (``_fits_per_sm``); ``strides`` (q's two,
+    k's three, v's three, idx's two); ``lo`` the first chunk (``_winsel_partial_kernel``'s c_lo); ``row_sync`` the
+    step's ``_row_sync``; ``topn``: the selection programs rank, there being no top-n launch
+    (``Plan.topn_in_selection``, where the step runs the selection)."""
     kw = dict(_partial_constexprs(p, cfg, prec), WINDOW=cfg.window, N_SEL=cfg.n_selected, WIN_TILES=p.win_tiles,
               SEL_TILES=p.sel_tiles, BN=p.BN, BPT=p.bpt, WIN_NOWAIT=nowait, STAGES=p.win_stages)
     if row_sync:
         kw.update(ROW_SYNC=True)
+    if topn:
+        kw.update(TOPN=True, **_topn_shape(cfg, p.nbp // p.score_blocks * p.cands, p.score_blocks, p.cands))
     return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
 
@@ -1152,13 +1200,15 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                                         BLOCK=cfg.block_size,
                                         BNC=p.BNC, OVT=triton.cdiv(p.nbt, p.tb), num_warps=p.score_warps, **split,
                                         C_CMP=p.C_CMP, IDLE_EXIT=p.gdc == 3, **scores_pdl)
-        top_n(ws.cand, pos, ws.idx, cfg, BJ, p.cands, **topn_pdl)
+        if not p.topn_in_selection:
+            top_n(ws.cand, pos, ws.idx, cfg, BJ, p.cands, **topn_pdl)
     lo = p.C_CMP if "win" in want else p.C_CMP + p.C_WIN
     hi = p.NC if "sel" in want else p.C_CMP + p.C_WIN
     if want & {"win", "sel"}:
-        args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.done),
+        args, kw = _winsel_args(p, cfg, (q, k, v, kn, vn, ws.idx, pos, ws.pm, ws.pl, ws.pacc, ws.pcnt, ws.done,
+                                         ws.cand),
                                 (*qs, *ks, *vs, ws.idx.stride(0), ws.idx.stride(1)), lo, nowait, precision(q.dtype),
-                                row_sync)
+                                row_sync, p.topn_in_selection and "sel" in want)
         _winsel_partial_kernel[(BG, hi - lo)](*args, **kw)
     BDV_S = min(p.BDV, p.merge_cols)
     cmp_early = CMP_EARLY and "cmp" in want and bool(want & {"sel", "win"})
@@ -1178,17 +1228,23 @@ def decode_attention(q, k, v, k_cmp, v_cmp, pos, cfg: NSAConfig, *, branches=BRA
                    ws.idx if "sel" in want else None, ws.mix if gate is not None else None)
 
 
+def _topn_shape(cfg: NSAConfig, nk: int, bj: int, kc: int) -> dict:
+    """The top-n's ranking constexprs (``_topn_blocks``) over NK = ``nk`` keys, ``kc`` of each group of ``bj``
+    blocks."""
+    nsp = triton.next_power_of_2(cfg.n_selected)
+    # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks; a chunk holds n picks
+    ch = min(max(nk, 4), max(TOPN_CHUNK, nsp))
+    return dict(NSP=nsp, BJ=bj, KC=kc, NK=nk, CH=ch, HALF=ch // 2 > nsp)
+
+
 def top_n(cand, pos, idx, cfg: NSAConfig, bj: int, kc: int, *, GDC: int = 0, launch_pdl: bool = False) -> None:
     """The step's top-n (``_topn_kernel``): cand [B·G, NK] int64, the keys the scorer kept, ``kc`` of each
     group of ``bj`` blocks (``_candidates``), pos [B] int32 -> idx [B, G, n] int32, the blocks selected for
     the token at pos, ascending, −1 padded."""
     BG, nk = cand.shape
-    nsp = triton.next_power_of_2(cfg.n_selected)
-    # at least 4 lanes (NSP >= 4 as n >= 3): the forced blocks' 3 slots sit beside the picks; a chunk holds n picks
-    ch = min(max(nk, 4), max(TOPN_CHUNK, nsp))
     _topn_kernel[(BG,)](cand, pos, idx, idx.stride(0), idx.stride(1), G=idx.shape[1], BLOCK=cfg.block_size,
-                        N_SEL=cfg.n_selected, NSP=nsp, BJ=bj, KC=kc, NK=nk, CH=ch,
-                        num_warps=SELECT_WARPS, GDC=GDC, launch_pdl=launch_pdl, HALF=ch // 2 > nsp)
+                        N_SEL=cfg.n_selected, **_topn_shape(cfg, nk, bj, kc), num_warps=SELECT_WARPS, GDC=GDC,
+                        launch_pdl=launch_pdl)
 
 
 @triton.jit

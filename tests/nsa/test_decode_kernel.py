@@ -125,19 +125,24 @@ def test_window_programs_that_do_not_wait_take_the_new_token_from_its_buffer(t, 
     one after another). The oracle's blocks, outputs and reads, as in the test above. Then, since here the
     cache already holds token t when the window programs run, the same step with the window + selection launch
     given another new-token buffer: the window's output moves (its token t is the buffer's), the other
-    branches' do not (the selection's token t is the cache's, the compressed launch appended it)."""
+    branches' do not (the selection's token t is the cache's, the compressed launch appended it). At the early
+    trigger and B·G 4 the step makes no top-n launch: its selection programs rank (``TOPN_IN_SELECTION_ROWS``),
+    several a row (the plan made for 64 SMs), each taking its own slots of the blocks it ranked."""
     import triton.language as tl
     from kernels import decode
     from kernels.decode import DecodeStep
+    if gdc == 2:
+        monkeypatch.setattr(decode, "sm_count", lambda device: 64)
     monkeypatch.setattr(decode, "_gdc", lambda device, rows: gdc)
     monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **k: None)
     monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **k: None)
-    seen, other, real = [], [], decode._winsel_partial_kernel
+    seen, other, real, ranked = [], [], decode._winsel_partial_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(q, k, v, kn, vn, *args, **kwargs):
                 seen.append(kwargs["WIN_NOWAIT"])
+                ranked.append(kwargs.get("TOPN", False))
                 if other:
                     kn, vn = 2 * kn + 1, 2 * vn + 1
                 return real[grid](q, k, v, kn, vn, *args, **kwargs)
@@ -155,6 +160,8 @@ def test_window_programs_that_do_not_wait_take_the_new_token_from_its_buffer(t, 
         other.append(True)
         moved = step(q, k_t, v_t, pos=pos).out
     assert seen[2:] == [True, True]
+    # at few rows under the early trigger (here B·G = 4) the selection programs ranked the blocks: no top-n launch
+    assert ranked == [gdc == 2] * 4
     assert not torch.equal(moved["win"], same["win"])
     assert torch.equal(moved["sel"], same["sel"]) and torch.equal(moved["cmp"], same["cmp"])
 
@@ -196,7 +203,7 @@ def test_the_merge_groups_compressed_chunks_only_above_the_early_trigger():
     assert [merge_group(c, many) for c in (MERGE_GROUP + 1, 2 * MERGE_GROUP, 8 * MERGE_GROUP)] == [MERGE_GROUP] * 3
 
 
-@pytest.mark.parametrize("merge", ["merge-at-once", "merge-in-groups"])
+@pytest.mark.parametrize("merge", ["merge-at-once", "early-trigger", "merge-in-groups"])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
 def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypatch):
     """A cache allocated for more tokens than it holds (as a generation loop allocates it: capacity
@@ -213,15 +220,26 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
     ``merge_group``), as many as are in use, whatever the capacity; and there the step runs as it does above
     EARLY_TRIGGER_ROWS (the late trigger, its waits no-ops: the interpreter runs launches one after another), so
     that the scorer's idle programs return before their wait and its groups are taken from the last
-    (``_scores_kernel``'s IDLE_EXIT)."""
+    (``_scores_kernel``'s IDLE_EXIT). ``early-trigger``: the step as it runs at few rows, with no top-n launch,
+    each selection program ranking the candidates itself (``TOPN_IN_SELECTION_ROWS``), the plan made for 64 SMs
+    so that a row has several selection programs, each taking its own slots of the blocks it ranked."""
     import triton.language as tl
     from kernels import decode
     if merge == "merge-in-groups":
         # (the rule's B·G bound aside)
         monkeypatch.setattr(decode, "merge_group", lambda c_cmp, rows: 1 if c_cmp > 1 else 0)
-        monkeypatch.setattr(decode, "_gdc", lambda device, rows: 3)
+    if merge == "early-trigger":
+        monkeypatch.setattr(decode, "sm_count", lambda device: 64)
+    # the trigger: forced under the interpreter, its waits no-ops; a GPU runs its own, with real waits (B·G 4: on
+    # Hopper the early trigger, no top-n launch)
+    gdc = {"merge-at-once": 0, "early-trigger": 2, "merge-in-groups": 3}[merge] if DEV == "cpu" else \
+        decode._gdc(DEV, 2 * CFG.n_kv_heads)
+    if DEV == "cpu" and gdc:
+        monkeypatch.setattr(decode, "_gdc", lambda device, rows: gdc)
         monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **k: None)
         monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **k: None)
+    topn_launches, top_n = [], decode.top_n
+    monkeypatch.setattr(decode, "top_n", lambda *a, **k: topn_launches.append(1) or top_n(*a, **k))
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "TOPN_CHUNK", 16)
     monkeypatch.setattr(decode, "SCORE_BLOCKS", 8)
@@ -240,13 +258,16 @@ def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypa
             step = decode.DecodeStep(cfg, cache)
             assert step.plan.nbp >= cap // cfg.block_size
             assert step.plan.merge_group == (1 if merge == "merge-in-groups" and step.plan.C_CMP > 1 else 0)
-            assert step.plan.gdc == (3 if merge == "merge-in-groups" else 0)
+            assert step.plan.gdc == gdc and step.plan.topn_in_selection == (gdc == 2)
+            assert step.plan.C_SEL > 1 or merge != "early-trigger"
             kept_best |= step.plan.cands < step.plan.score_blocks
+            n_launched = len(topn_launches)
             oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
+            assert len(topn_launches) - n_launched == (gdc != 2)
             with monkeypatch.context() as mp:
                 mp.setattr(decode, "TOPN_CHUNK", 4)
                 idx = torch.full_like(step.ws.idx, 99)
-                decode.top_n(step.ws.cand, pos, idx, cfg, step.plan.score_blocks, step.plan.cands)
+                top_n(step.ws.cand, pos, idx, cfg, step.plan.score_blocks, step.plan.cands)
             assert torch.equal(idx.long(), oracle[0]["idx"]), (cap, idx.tolist(), oracle[0]["idx"].tolist())
     assert kept_best or t < 16          # (at t = 5 every capacity is 4 blocks or fewer: one group, all its keys)
 
