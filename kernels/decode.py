@@ -905,6 +905,12 @@ def _gdc(device, rows: int) -> int:
     return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
 
+def _topn_in_selection(device, rows: int) -> bool:
+    """Whether a step over ``rows`` = B·G makes no top-n launch, its selection programs ranking instead: under the
+    early trigger, up to TOPN_IN_SELECTION_ROWS (``Plan.topn_in_selection``)."""
+    return _gdc(device, rows) == 2 and rows <= TOPN_IN_SELECTION_ROWS
+
+
 def _launch_shape(rows: int) -> tuple[int, int]:
     """(warps of a scoring program, d_v columns of a merge program) for a step over ``rows`` = B·G:
     fewer, wider programs for few rows (docs/decisions.md)."""
@@ -1002,8 +1008,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
              ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
              tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
              *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-             kept_keys(cfg, bj), merge_group(c_cmp, B * G),
-             _gdc(device, B * G) == 2 and B * G <= TOPN_IN_SELECTION_ROWS)
+             kept_keys(cfg, bj), merge_group(c_cmp, B * G), _topn_in_selection(device, B * G))
     if p.win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
         t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
         c_win, c_sel = triton.cdiv(win_t, t), triton.cdiv(sel_t, t)
@@ -1323,11 +1328,18 @@ def _empty_kernel(X, GDC: tl.constexpr):
     tl.store(X + tl.program_id(0), 0)
 
 
-def launch_floor(device, rows: int, launches: int = len(LAUNCHES)):
-    """A callable that launches ``launches`` kernels of one program doing nothing, chained as a
-    step over ``rows`` = B·G chains its own (programmatic dependent launch where the step has it).
-    Timed as the step is, it is a floor under any step of that many launches: the decode bench
+def step_launches(device, rows: int) -> tuple[str, ...]:
+    """The launches (``LAUNCHES``' names, in order) a ``DecodeStep`` running every branch over ``rows`` = B·G makes on
+    ``device``: all but the top-n where its selection programs rank (``TOPN_IN_SELECTION_ROWS``)."""
+    return tuple(n for n in LAUNCHES if n != "top-n" or not _topn_in_selection(device, rows))
+
+
+def launch_floor(device, rows: int, launches: int | None = None):
+    """A callable that launches ``launches`` kernels (default: as many as the step's, ``step_launches``) of one
+    program doing nothing, chained as a step over ``rows`` = B·G chains its own (programmatic dependent launch where
+    the step has it). Timed as the step is, it is a floor under any step of that many launches: the decode bench
     reports it beside the step (``floor_ms``; H100 figures: docs/decisions.md)."""
+    launches = len(step_launches(device, rows)) if launches is None else launches
     gdc = 2 if _gdc(device, rows) else 0
     x = torch.zeros(1, dtype=torch.int32, device=device)
 

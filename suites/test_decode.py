@@ -521,7 +521,7 @@ def test_dram_reads(record, extra):
                              "--capacity", str(CFG.capacity_for(S))])
     except ncu.NoCounterAccess as e:
         pytest.skip(str(e))
-    launches = decode.LAUNCHES
+    launches = decode.step_launches(DEV, B * LAYER.n_kv_heads)
     assert len(df) == len(launches), f"ncu saw {len(df)} launches ({', '.join(df.kernel)}), a step makes {len(launches)}"
     # the launches that read the cache, each with its branches' formula bytes
     shares = {launches.index(name): sum(formula[br] for br in brs) for name, brs in decode.CACHE_READS.items()}

@@ -193,6 +193,24 @@ def test_split_head_dim_and_compressed_tile_sizes(d_k, d_v, cmp_tile, monkeypatc
                 assert (r.reads[br] == cfg.expected_reads(t)[br]).all(), (t, br)
 
 
+@pytest.mark.parametrize("gdc,rows,top_n_launched", [(0, 4, True), (2, 4, False), (2, 8, False), (2, 16, True),
+                                                     (3, 64, True)])
+def test_the_top_n_launch_is_left_out_only_at_few_rows_under_the_early_trigger(gdc, rows, top_n_launched,
+                                                                                monkeypatch):
+    """``step_launches``: every launch of ``LAUNCHES``, but the top-n where the plan has its selection programs rank
+    (the early trigger, B·G up to TOPN_IN_SELECTION_ROWS: 8); the launch floor chains as many."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "_gdc", lambda device, rows: gdc)
+    names = decode.step_launches(DEV, rows)
+    assert ("top-n" in names) == top_n_launched
+    assert names == tuple(n for n in decode.LAUNCHES if top_n_launched or n != "top-n")
+    launched = []
+    monkeypatch.setattr(decode, "_empty_kernel", type("K", (), {"__getitem__": lambda self, g: lambda *a, **k:
+                                                                launched.append(k["GDC"])})())
+    decode.launch_floor(DEV, rows)()
+    assert len(launched) == len(names)
+
+
 def test_the_merge_groups_compressed_chunks_only_above_the_early_trigger():
     """``merge_group``: all at once at B·G up to EARLY_TRIGGER_ROWS or below MERGE_GROUP chunks; above, groups of half
     the chunks' power of two, at most MERGE_GROUP (8 chunks, of which a 2x cache at B=16 64k uses 4: groups of 4)."""
