@@ -905,10 +905,10 @@ def _gdc(device, rows: int) -> int:
     return 2 if rows <= EARLY_TRIGGER_ROWS else 3
 
 
-def _topn_in_selection(device, rows: int) -> bool:
-    """Whether a step over ``rows`` = B·G makes no top-n launch, its selection programs ranking instead: under the
-    early trigger, up to TOPN_IN_SELECTION_ROWS (``Plan.topn_in_selection``)."""
-    return _gdc(device, rows) == 2 and rows <= TOPN_IN_SELECTION_ROWS
+def _topn_in_selection(gdc: int, rows: int) -> bool:
+    """Whether a step over ``rows`` = B·G in GDC mode ``gdc`` (``_gdc``) makes no top-n launch, its selection
+    programs ranking instead: under the early trigger, up to TOPN_IN_SELECTION_ROWS."""
+    return gdc == 2 and rows <= TOPN_IN_SELECTION_ROWS
 
 
 def _launch_shape(rows: int) -> tuple[int, int]:
@@ -969,8 +969,16 @@ class Plan:
     cands: int
     # compressed chunks the merge loads at a time (``_merge_groups``; 0: all C_CMP at once, ``MERGE_GROUP``)
     merge_group: int
-    # no top-n launch: the selection programs rank (``TOPN_IN_SELECTION_ROWS``; a step running the selection)
-    topn_in_selection: bool
+
+    @property
+    def topn_in_selection(self) -> bool:
+        """No top-n launch: the selection programs rank (``TOPN_IN_SELECTION_ROWS``; a step running the selection)."""
+        return _topn_in_selection(self.gdc, self.B * self.G)
+
+    @property
+    def n_cands(self) -> int:
+        """Top-n keys the scorer keeps a row (· KV head): ``cands`` of each group of ``score_blocks`` blocks."""
+        return self.nbp // self.score_blocks * self.cands
 
     @property
     def NC(self) -> int:
@@ -1008,7 +1016,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
              ct, wt, st, c_cmp, triton.cdiv(win_t, wt), triton.cdiv(sel_t, st),
              tb, nbt, max(16, triton.next_power_of_2(nbt)), bpt, by_reshape, _gdc(device, B * G),
              *_launch_shape(B * G), n_sm, _stages(device, dtype, ct), _stages(device, dtype, DEEP_TILES), bj,
-             kept_keys(cfg, bj), merge_group(c_cmp, B * G), _topn_in_selection(device, B * G))
+             kept_keys(cfg, bj), merge_group(c_cmp, B * G))
     if p.win_stages == PARTIAL_STAGES_SM90 and B * G > EARLY_TRIGGER_ROWS:
         t = _tiles_per_chunk((win_t, sel_t), B * G, 2 * n_sm)
         c_win, c_sel = triton.cdiv(win_t, t), triton.cdiv(sel_t, t)
@@ -1094,7 +1102,7 @@ def _winsel_args(p: Plan, cfg: NSAConfig, ptrs: tuple, strides: tuple, lo: int, 
     if row_sync:
         kw.update(ROW_SYNC=True)
     if topn:
-        kw.update(TOPN=True, **_topn_shape(cfg, p.nbp // p.score_blocks * p.cands, p.score_blocks, p.cands))
+        kw.update(TOPN=True, **_topn_shape(cfg, p.n_cands, p.score_blocks, p.cands))
     return [*ptrs, *strides, cfg.scale * LOG2E, lo, p.C_CMP, p.C_WIN, p.NC], kw
 
 
@@ -1126,7 +1134,7 @@ class Workspace:
         self.bsum = torch.empty(BG, p.n_tiles, p.BH, p.nbt, **f32)   # per tile and head: block sums
         self.bmax = torch.empty(BG, p.n_tiles, p.BH, **f32)           # and the running max they are relative to
         self.idx = torch.empty(p.B, p.G, p.n_sel, device=device, dtype=torch.int32)
-        self.cand = torch.empty(BG, p.nbp // p.score_blocks * p.cands, device=device, dtype=torch.int64)
+        self.cand = torch.empty(BG, p.n_cands, device=device, dtype=torch.int64)
         self.out = torch.zeros(3, p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.mix = torch.zeros(p.B, p.G * p.h, p.d_v, device=device, dtype=dtype)
         self.reads = torch.zeros(3, p.B, p.G, device=device, dtype=torch.int32)
@@ -1331,7 +1339,7 @@ def _empty_kernel(X, GDC: tl.constexpr):
 def step_launches(device, rows: int) -> tuple[str, ...]:
     """The launches (``LAUNCHES``' names, in order) a ``DecodeStep`` running every branch over ``rows`` = B·G makes on
     ``device``: all but the top-n where its selection programs rank (``TOPN_IN_SELECTION_ROWS``)."""
-    return tuple(n for n in LAUNCHES if n != "top-n" or not _topn_in_selection(device, rows))
+    return tuple(n for n in LAUNCHES if n != "top-n" or not _topn_in_selection(_gdc(device, rows), rows))
 
 
 def launch_floor(device, rows: int, launches: int | None = None):
