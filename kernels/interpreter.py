@@ -188,10 +188,17 @@ def patch_lang_once_per_launch() -> bool:
     import inspect
     langs = (ti.tl, ti.tl.core)
     done: set[frozenset[int]] = set()        # the module sets the running launch has patched
+    # a function's module set by its globals dict (held here, so that no other dict takes its id), found again
+    # when the dict has changed size: scanning the globals at every nested call was ~4% of a kernel's time
+    seen: dict[int, tuple[dict, int, frozenset[int]]] = {}
 
     @functools.wraps(patch)
     def once(fn):
-        key = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs)
+        g = fn.__globals__
+        hit = seen.get(id(g))
+        if hit is None or hit[1] != len(g):
+            hit = seen[id(g)] = (g, len(g), frozenset(id(v) for v in g.values() if inspect.ismodule(v) and v in langs))
+        key = hit[2]
         if key in done:
             return scope()                    # an empty scope: nothing to restore
         done.add(key)
@@ -247,8 +254,35 @@ def reduce_xor_in_numpy() -> bool:
     return True
 
 
+def no_dead_overflow_checks() -> bool:
+    """Make Triton's interpreter skip the integer overflow checks whose assertion it then drops.
+
+    Every int32 ``+``, ``-`` and ``*`` in a kernel asks for an overflow check (``sanitize_overflow``, on by
+    default): the semantic layer redoes the operation in int64, compares it with the type's bounds and hands
+    the result to ``device_assert``, which returns without asserting unless the options' ``debug`` is on
+    (``semantic.device_assert``), as on a GPU, where the unused check is compiled away. Under the
+    interpreter nothing compiles it away: those casts and comparisons were a third of an index-heavy
+    kernel's time (a CPU profile of the decode step's test). With ``debug`` off the check can never fire, so
+    turning ``sanitize_overflow`` off changes no result; with ``debug`` on nothing is changed. Where this
+    Triton's interpreter has no such options, nothing is changed and False is returned."""
+    try:
+        import dataclasses
+
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    builder = getattr(ti, "interpreter_builder", None)
+    opts = getattr(builder, "options", None)
+    if opts is None or not dataclasses.is_dataclass(opts) or not hasattr(opts, "sanitize_overflow") \
+            or getattr(opts, "debug", True):
+        return False
+    builder.options = dataclasses.replace(opts, sanitize_overflow=False)
+    return True
+
+
 def speed_up() -> None:
-    """Both patches above, where this Triton's interpreter has what they wrap (``kernels/__init__.py``
+    """The patches above, where this Triton's interpreter has what they wrap (``kernels/__init__.py``
     installs them before any launch when the kernels run under the interpreter)."""
     patch_lang_once_per_launch()
     reduce_xor_in_numpy()
+    no_dead_overflow_checks()

@@ -118,3 +118,37 @@ def test_xor_reductions_run_in_numpy_and_give_the_element_loops_answer():
         ti.ReduceOps.generic_reduce = real
     assert xor.tolist() == [functools.reduce(lambda a, b: a ^ b, row) for row in x.tolist()]
     assert torch.equal(top, x.sort(dim=1, descending=True).values[:, :8])
+
+
+@triton.jit
+def _int32_kernel(X, Y, OUT, N: tl.constexpr):
+    """Row-wise x·3 + y − 7 of int32 rows X, Y [rows, N] (wrapping, as a GPU does)."""
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(OUT + offs, tl.load(X + offs) * 3 + tl.load(Y + offs) - 7)
+
+
+def test_int32_arithmetic_runs_no_overflow_check_and_wraps_as_on_a_gpu():
+    """``kernels`` turns off the interpreter's overflow checks, which its ``debug`` off makes dead
+    (``no_dead_overflow_checks``): an int32 kernel's ``*``, ``+`` and ``−`` cast nothing to int64 (the checks'
+    path), and give the wrapped int32 results a GPU gives, overflowing values included."""
+    import kernels  # noqa: F401  (installs it)
+    from triton.runtime import interpreter as ti
+    opts = ti.interpreter_builder.options
+    if getattr(opts, "debug", True) or not hasattr(opts, "sanitize_overflow"):
+        pytest.skip("this Triton's interpreter runs with debug on or lacks the options: it runs as Triton ships it")
+    casts, cast = [], ti.interpreter_semantic.cast
+
+    def spy(input, dst_ty, *args, **kwargs):
+        casts.append(dst_ty)
+        return cast(input, dst_ty, *args, **kwargs)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-2**31, 2**31 - 1, (3, 16), generator=g, dtype=torch.int64).to(torch.int32)
+    y = torch.randint(-2**31, 2**31 - 1, (3, 16), generator=g, dtype=torch.int64).to(torch.int32)
+    out = torch.empty_like(x)
+    ti.interpreter_semantic.cast = spy
+    try:
+        _int32_kernel[(3,)](x, y, out, N=16)
+    finally:
+        ti.interpreter_semantic.cast = cast
+    assert tl.int64 not in casts, "an int32 operation was checked for overflow in int64"
+    assert torch.equal(out, x * 3 + y - 7)          # torch's int32 arithmetic wraps too
