@@ -115,8 +115,19 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums)
         _against_oracle_row(r, q, cache, t, dtype, oracle)
 
 
+# Every tiling and trigger mode in fp32; fp16 (its new-token key converted to fp32, the one dtype-dependent step this
+# path adds) in one of them: the test above runs the rest of the step in both dtypes. The full cross product of
+# dtypes cost 31 s more of `make test`
+WINDOW_CASES = [pytest.param(dt, tiles, gdc, id=f"{dt}-{tiles}-{name}")
+                for dt, tiles, gdc, name in [("fp32", "block-tiles", 2, "early-trigger"),
+                                             ("fp32", "block-tiles", 3, "late-trigger"),
+                                             ("fp32", "two-block-tiles", 2, "early-trigger"),
+                                             ("fp32", "two-block-tiles", 3, "late-trigger"),
+                                             ("fp16", "two-block-tiles", 2, "early-trigger")]]
+
+
 @pytest.mark.skipif(DEV == "cuda", reason="a GPU with programmatic dependent launch runs this path in the test above")
-@pytest.mark.parametrize("gdc", [2, 3], ids=["early-trigger", "late-trigger"])
+@pytest.mark.parametrize("layer,tiles,gdc", WINDOW_CASES, indirect=["layer", "tiles"])
 @pytest.mark.parametrize("t", [0, CFG.cmp_len - 1, CFG.window, 99])
 def test_window_programs_that_do_not_wait_take_the_new_token_from_its_buffer(t, gdc, layer, tiles, monkeypatch):
     """The step as Hopper runs it (``WIN_NOWAIT``: the window programs start without waiting and take token t's
