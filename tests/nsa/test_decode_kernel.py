@@ -118,12 +118,10 @@ def test_decode_step_matches_oracle_row_and_reads_formula(t, layer, tiles, sums)
 # Every tiling and trigger mode in fp32; fp16 (its new-token key converted to fp32, the one dtype-dependent step this
 # path adds) in one of them: the test above runs the rest of the step in both dtypes. The full cross product of
 # dtypes cost 31 s more of `make test`
-WINDOW_CASES = [pytest.param(dt, tiles, gdc, id=f"{dt}-{tiles}-{name}")
-                for dt, tiles, gdc, name in [("fp32", "block-tiles", 2, "early-trigger"),
-                                             ("fp32", "block-tiles", 3, "late-trigger"),
-                                             ("fp32", "two-block-tiles", 2, "early-trigger"),
-                                             ("fp32", "two-block-tiles", 3, "late-trigger"),
-                                             ("fp16", "two-block-tiles", 2, "early-trigger")]]
+TRIGGERS = {2: "early-trigger", 3: "late-trigger"}
+WINDOW_CASES = [pytest.param(dt, tiles, gdc, id=f"{dt}-{tiles}-{TRIGGERS[gdc]}")
+                for dt, tiles, gdc in [*(("fp32", tiles, gdc) for tiles in ("block-tiles", "two-block-tiles")
+                                         for gdc in TRIGGERS), ("fp16", "two-block-tiles", 2)]]
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="a GPU with programmatic dependent launch runs this path in the test above")
