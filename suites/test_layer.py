@@ -56,14 +56,16 @@ def _flops(shape: layer.Shape, dense_dims: tuple[int, int] | None) -> float:
 
 @pytest.fixture
 def compiled(shape):
-    """The layer's kernels compiled before the timed body (which alone holds the GPU when suites share it)."""
-    layer.warm(shape, ROUTING, DEV)
+    """The layer's kernels compiled before the timed body (which alone holds the GPU when suites share it);
+    -> the dense layers run at the shape (``layer.warm``)."""
+    return layer.warm(shape, ROUTING, DEV)
 
 
 @pytest.mark.parametrize("shape", profile_cases([pytest.param(s, id=s.label) for s in SHAPES], "layer", "shapes", 1))
 @pytest.mark.nsa_exclusive
 def test_bench(shape, record, compiled):
-    row = layer.measure(shape, ROUTING, DEV, budget_ms=CFG.budget_ms, stages=CFG.stages, capture=record.capture)
+    row = layer.measure(shape, ROUTING, DEV, budget_ms=CFG.budget_ms, stages=CFG.stages, capture=record.capture,
+                        warmed=compiled)
     want = routing.prefill_routes(ROUTING, shape.S, cfg=shape.config(), device=torch.device(DEV), dtype=DTYPES[CFG.dtype])
     for br, d in want.items():                # the routed path ran, by the dispatch log and the GPU's kernels
         record.expect_ran(row.log, "prefill", br, d.backend)

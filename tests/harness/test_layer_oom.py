@@ -56,3 +56,33 @@ def test_table_renders_an_oom_row(tmp_path):
     assert len(df) == 1 and (tmp_path / "layer.csv").exists()
     cells = [r["NSA fwd+bwd"] for r in extra.data["tables"][layer_table.TABLE]]
     assert cells and "oom" in cells[0], cells
+
+
+def _calls_made(monkeypatch, cost_ms: float, warmed: bool) -> tuple[int, layer.Measured]:
+    """How many times ``_time`` calls a function that takes ``cost_ms`` of a fake clock, before timing it
+    (``timing.bench`` stubbed: three samples of that cost)."""
+    _no_cuda_calls(monkeypatch)
+    clock, calls = [0.0], []
+    monkeypatch.setattr(layer.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(layer.timing, "bench", lambda fn, **k: layer.timing.Timing("cuda_events", [cost_ms] * 3, 0, True))
+
+    def fn():
+        calls.append(1)
+        clock[0] += cost_ms / 1e3
+
+    m = layer._time(fn, "cuda", budget_ms=300.0, warmed=warmed)
+    return len(calls), m
+
+
+def test_a_warmed_slow_call_is_not_warmed_again(monkeypatch):
+    # the dense layer's 64k forward+backward that layer.warm ran at its shape: its first call measures the host
+    assert _calls_made(monkeypatch, 470.0, warmed=True)[0] == 1
+    # not warmed by layer.warm (too little memory free then): an untimed call first
+    assert _calls_made(monkeypatch, 470.0, warmed=False)[0] == 2
+
+
+def test_a_warmed_quick_call_measures_its_host_time_on_a_second_call(monkeypatch):
+    # a quick call's host time would be the allocator's after warm's empty_cache: measured again, warm
+    n, m = _calls_made(monkeypatch, 40.0, warmed=True)
+    assert n == 2 and m.host_ms == 40.0
+    assert _calls_made(monkeypatch, 40.0, warmed=False)[0] == 2
