@@ -1,5 +1,6 @@
-"""The layer bench records an out-of-memory measurement as a result and the sweep's table still
-renders (the path a GPU run reaches when a shape does not fit; forced here on a CPU)."""
+"""The layer bench's ``_time`` on the GPU path (forced here on a CPU): an out-of-memory measurement is
+recorded as a result and the sweep's table still renders (a shape that does not fit), and a dense
+layer that ``layer.warm`` already ran at its shape is not warmed again before its samples."""
 import torch
 
 from nsa_validate.report import layer_table
