@@ -250,18 +250,21 @@ def _time(fn: Callable[[], object], device: str, budget_ms: float, warmed: bool 
         tm = timing.bench(fn, device=device, warmup=0, reps=1)
         return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, tm.median_ms, None, tm.timer, timing=tm)
     try:
+        def host_call() -> tuple[float, float]:
+            """One call: (its host time, its time until the GPU is done), ms."""
+            t0 = time.perf_counter()
+            fn()
+            host = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            return host, (time.perf_counter() - t0) * 1e3
+
         if not warmed:
             fn()                    # warmup: Triton compiles, SDPA picks its kernel; not timed
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        for again in (False, True):
-            t0 = time.perf_counter()
-            fn()                    # host time and peak memory (warmed: the first call; again if quick)
-            host = (time.perf_counter() - t0) * 1e3
-            torch.cuda.synchronize()
-            whole = (time.perf_counter() - t0) * 1e3
-            if not warmed or again or whole > budget_ms / SLOW_REPS:
-                break
+        host, whole = host_call()   # its host time and peak memory
+        if warmed and whole <= budget_ms / SLOW_REPS:
+            host, whole = host_call()       # a quick call's host time, from a warm call
         peak = torch.cuda.max_memory_allocated() / 2**30
         if whole > budget_ms / SLOW_REPS:     # slow: three samples it is
             tm = timing.bench(fn, device=device, warmup=0, reps=SLOW_REPS, telemetry=False)
