@@ -42,20 +42,17 @@ def test_decode_rows_past_the_first_chunk_match_the_oracle():
             assert (out[:, 0] - ref[:, t]).abs().max().item() < 1e-4, f"decode row {t}"
 
 
-@pytest.mark.parametrize("budget", [1, 7, 10**9], ids=["one-pair-a-piece", "ragged-pieces", "whole-chunks"])
-def test_pieces_of_a_chunk_match_the_oracle(monkeypatch, budget):
-    """A chunk's (batch row, query row) pairs attended in pieces (``PIECE_BYTES_CPU``): one pair a
-    piece, pieces of a few pairs that split the rows raggedly, whole chunks; prefill over two chunks
-    and decode steps of three batch rows, each branch against the oracle."""
-    torch.manual_seed(budget)
+@pytest.mark.parametrize("pairs", [1, 7, 10**6], ids=["one-pair-a-piece", "ragged-pieces", "whole-chunks"])
+def test_pieces_of_a_chunk_match_the_oracle(monkeypatch, pairs):
+    """A chunk's (batch row, query row) pairs attended in pieces of ``pairs`` pairs (``_pieces``): one pair
+    a piece, pieces of 7 that split the rows raggedly, whole chunks; prefill over two chunks and decode
+    steps of three batch rows, each branch against the oracle."""
+    torch.manual_seed(pairs)
     m = NSAAttention(CFG)
     S, B = C + 9, 3
     x = torch.randn(B, S, CFG.d_model)
-    if budget == 7:      # 7 pairs a piece, whatever a pair's bytes
-        real = tb._pieces
-        monkeypatch.setattr(tb, "_pieces", lambda B, c, pair, _: real(B, c, pair, 7 * pair))
-    else:
-        monkeypatch.setattr(tb, "PIECE_BYTES_CPU", budget)
+    real = tb._pieces
+    monkeypatch.setattr(tb, "_pieces", lambda B, c, pair, _: real(B, c, pair, pairs * pair))
     ref = reference.forward(m, x)
     with torch.no_grad():
         for br in ("cmp", "sel", "win"):
