@@ -120,7 +120,7 @@ class ConsoleListener(run.Listener):
         show_env(report)
 
     def env_broken(self) -> None:
-        err.print("[red]environment broken[/]: suites not run (fix the findings above, or pass --keep-going)")
+        err.print("[red]environment broken[/]: suites stopped, none counts (fix the findings above, or pass --keep-going)")
 
     def suites_running(self):
         self.t0 = time.monotonic()

@@ -16,7 +16,9 @@ except (OSError, AttributeError):
 
 def die_with_parent():
     """A ``preexec_fn`` for ``subprocess``: SIGKILL the child when this process dies; if this process
-    is already gone when the child starts, the child exits at once. None off Linux (nothing to do)."""
+    is already gone when the child starts, the child exits at once. None off Linux (nothing to do).
+    (The kernel watches the thread that started the child: the run's threads that start suites wait
+    for their processes to end.)"""
     if _PRCTL is None:
         return None
     parent, prctl = os.getpid(), _PRCTL

@@ -210,7 +210,7 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
     n = reps or n_reps(run_ms)
     in_graph = graph and _events_in_graph()
     if in_graph:
-        samples, warmed = _timed_graph(fn, n, flush, warmup_ms if warm else 0.0)
+        samples, warmed = _timed_graph(fn, n, flush, warmup_ms if warm else 0.0, iter_ms)
         warmup += warmed
     else:
         if warm:                    # the rest of the warm-up, as the loop runs
@@ -260,11 +260,34 @@ def _timed_stream(run: Callable[[], object], n: int, flush, queued: bool) -> lis
     return [a.elapsed_time(b) for a, b in zip(starts, ends)]
 
 
-def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> tuple[list[float], int]:
+def _graph_of(fn: Callable[[], object], n: int, flush) -> tuple[torch.cuda.CUDAGraph, torch.cuda.Event, list]:
+    """fn captured n times in one CUDA graph, [flush, event, fn, event] × n after a first event: (the graph,
+    its first event, the n samples' event pairs)."""
+    start = torch.cuda.Event(enable_timing=True, external=True)
+    events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
+              for _ in range(n)]
+    g = torch.cuda.CUDAGraph()
+    with capturing(g):
+        start.record()
+        for a, b in events:
+            if flush is not None:
+                _evict_l2(flush)
+            a.record()
+            fn()
+            b.record()
+    return g, start, events
+
+
+def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float,
+                 iter_ms: float | None) -> tuple[list[float], int]:
     """n repetitions of fn as one CUDA graph, [flush, event, fn, event] × n, the events recorded by the
-    graph itself: (the samples in ms, warm-up calls made). The graph is replayed whole until the
-    replays have taken ``warmup_ms`` (none for 0), then once more for the samples. ``bench`` calls it
-    after ``_capture(fn)``, which has warmed the process's graph replays (``_warm_graph_replays``).
+    graph itself: (the samples in ms, warm-up calls made). The warm-up is a graph of its own, replayed
+    until its replays have taken ``warmup_ms`` of GPU time (none for 0), then the timed graph is replayed
+    once for the samples. The warm-up graph holds as many calls as ``warmup_ms`` needs by the sizing
+    iteration's ``iter_ms``, one spare, or where that is more than half of n the timed graph serves
+    (docs/decisions.md: a whole replay made any warm-up n calls). Its GPU time comes from its own
+    events, so a host slower than the GPU cannot cut it short. ``bench`` calls it after
+    ``_capture(fn)``, which has warmed the process's graph replays (``_warm_graph_replays``).
 
     With each repetition a replay launched from the host instead, a host that falls behind the GPU
     lands inside the samples: H100, the decode step at B=1, 64k (25 µs of GPU work, 200 samples), a
@@ -273,25 +296,18 @@ def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float) -> t
     replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
     B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
     _side_stream_calls(fn, 1)       # fn ran (graph-replayed) just before: one call to satisfy the capture
-    events = [(torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True))
-              for _ in range(n)]
-    g = torch.cuda.CUDAGraph()
-    with capturing(g):
-        for a, b in events:
-            if flush is not None:
-                _evict_l2(flush)
-            a.record()
-            fn()
-            b.record()
+    g, g_start, events = _graph_of(fn, n, flush)
     warmed = 0
     if warmup_ms > 0:
-        g.replay()
+        k = math.ceil(warmup_ms / max(iter_ms or 0.0, 1e-3)) + 1
+        w, w_start, w_events = (g, g_start, events) if 2 * k > n else _graph_of(fn, k, flush)
+        w.replay()
         torch.cuda.synchronize()
-        whole = events[0][0].elapsed_time(events[-1][1])        # GPU time of one replay (its first flush aside)
-        replays = max(1, math.ceil(warmup_ms / max(whole, 1e-3)))
+        whole = w_start.elapsed_time(w_events[-1][1])         # GPU time of one replay
+        replays = max(1, min(math.ceil(warmup_ms / max(whole, 1e-3)), math.ceil(MAX_WARMUP / len(w_events))))
         for _ in range(replays - 1):
-            g.replay()
-        warmed = replays * n
+            w.replay()
+        warmed = replays * len(w_events)
     g.replay()
     torch.cuda.synchronize()
     return [a.elapsed_time(b) for a, b in events], warmed

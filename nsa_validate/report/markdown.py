@@ -202,7 +202,9 @@ def _time_spent(res: dict) -> list[str]:
             + (f"the profile's resolution and the environment check {m['env']} s"
                + (f" (the profile's, torch's import and the GPU's start among it, {m['profile']} s)"
                   if "profile" in m else "")
-               + f", suites {m['suites']} s (wall). " if "env" in m and "suites" in m else ""))
+               + f", suites {m['suites']} s (wall"
+               + (f", from {m['suites_from']} s into the run" if "suites_from" in m else "") + "). "
+               if "env" in m and "suites" in m else ""))
     head = head[:1].upper() + head[1:]
     return ["## Where the time went", "",
             head + _prewarm_line(res["manifest"].get("prewarm")) + _alone_line(res["manifest"].get("gpu_alone_s")) +

@@ -1,8 +1,8 @@
 """``execute``: one run from request to finished run folder.
 
-Profile and device (``profiles.resolve``), the environment check, the run folder and its
-manifest, the suites (each its own pytest process: ``runner.run_suite``) one after another, at
-once on a GPU (``gpu_share``), or sharded over GPUs; SIGINT/SIGTERM/SIGHUP stop it cleanly.
+Profile and device (``profiles.resolve``), the run folder and its manifest, the suites (each its own
+pytest process: ``runner.run_suite``) one after another, at once on a GPU (``gpu_share``), or sharded
+over GPUs, started beside the environment check; SIGINT/SIGTERM/SIGHUP stop it cleanly.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from nsa_validate.suite.context import RunContext
 from nsa_validate.errors import UsageError
 from nsa_validate.config.registry import SUITES
 from nsa_validate.run.finish import finish, mark_failed
-from nsa_validate.run.listener import Listener
+from nsa_validate.run.listener import Held, Listener
 from nsa_validate.run.stop import Stop
 from nsa_validate.run.runner import SuiteInterrupted, run_suite
 from nsa_validate.report.schema import CaseRecord, SuiteResult, write_json
@@ -39,7 +39,7 @@ class RunRequest:
     level: str = profiles.DEFAULT_LEVEL
     out: str | None = None                # root of run folders; None: ./artifacts
     strict: bool = False
-    gate_env: bool = False                # a broken environment runs no suite (oneshot)
+    gate_env: bool = False                # a broken environment stops the suites, none counts (oneshot)
     allowed_skips: dict[str, str] = field(default_factory=dict)
     baseline: dict | None = None          # ``compare.load``: gate timings and statuses against it
     max_regression: float = compare.DEFAULT_MAX_REGRESSION_PCT
@@ -96,9 +96,9 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
     warming, warm_note = _prewarm(req, prof, device, t_start, early)
     t_profile = time.monotonic()
     listener.profile_resolved(prof)
-    rep = envcheck.collect(wait=False)     # PyTorch's own report finishes beside the suites (``complete``)
-    t_env = time.monotonic()
+    rep = t_env = None
     if req.baseline is not None:       # a baseline from another machine is refused before anything runs
+        rep, t_env = envcheck.collect(wait=False), time.monotonic()
         compare.check_same_machine(compare.key_of(rep.to_dict(), prof.name, prof.level, req.select), req.baseline)
     git = rundir.git_info()
     if stop.is_set():                  # before anything was written: nothing to keep
@@ -129,25 +129,46 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
     status = "complete"
     threads: list[threading.Thread] = []
     preload: threading.Thread | None = None
+    # the suites start now, beside the environment check (on a fresh pod's first run it reads torch's,
+    # Triton's and flash-attn's libraries from disk: seconds); their events are shown once its report is.
+    # A broken environment stops them (``gate_env``) and nothing they did counts
+    held, broken = Held(listener), threading.Event()
+    halt = _Either(stop.event, broken)
+    suites: _Background | None = None
+    t_suites = time.monotonic()
     try:
         write_json(run_dir / "manifest.json", manifest)
         listener.run_started(run_dir)
+        if not stop.is_set():
+            locks = warming.locks if warming is not None else run_dir / ".compile"
+            preload = _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
+            t_suites = time.monotonic()
+            suites = _Background(lambda: _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu,
+                                                     workers, results, held, halt, locks))
+        if rep is None:
+            rep = envcheck.collect(wait=False)     # PyTorch's own report finishes beside the suites (``complete``)
+            t_env = time.monotonic()
         write_json(run_dir / "env.json", rep.to_dict())
         listener.env_checked(rep)
         if req.gate_env and rep.verdict == "broken":
             status = "env-broken"
+            broken.set()
+            if suites is not None:
+                suites.wait(reraise=False)
+            results.clear()
             listener.env_broken()
-        elif not stop.is_set():
-            locks = warming.locks if warming is not None else run_dir / ".compile"
-            preload = _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
+        elif suites is not None:
             with listener.suites_running():
-                threads = _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers,
-                                      results, listener, stop, locks)
+                held.release()
+                threads = suites.wait()
     except KeyboardInterrupt as e:     # not from our signals (they only set the flag); kept as a last resort
         if isinstance(e, SuiteInterrupted):
             results[e.result.name] = e.result
         stop.event.set()
     except OSError as e:
+        if suites is not None:         # its suite processes killed, what they did not counted
+            broken.set()
+            suites.wait(reraise=False)
         if warming is not None:
             warming.summary(run_dir)   # stops its processes; its record kept where the disk still allows
         mark_failed(run_dir, manifest, e)
@@ -159,10 +180,13 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             th.join(timeout=60)
         listener.interrupted(list(dict.fromkeys(stop.signals)))
     # where the wall time went: the process's start to this run's (Python, the CLI's imports), the profile's
-    # resolution (torch's import, the GPU's start) with the environment check, of which the profile's, the suites
+    # resolution (torch's import, the GPU's start) with the environment check, of which the profile's, and
+    # the suites, from when they started (beside the environment check, unless a baseline had it first)
     manifest["phases_s"] = {**({"start": round(started, 2)} if started is not None else {}),
-                            "env": round(t_env - t_start, 2), "profile": round(t_profile - t_start, 2),
-                            "suites": round(time.monotonic() - t_env, 2)}
+                            "env": round((t_env or time.monotonic()) - t_start, 2),
+                            "profile": round(t_profile - t_start, 2),
+                            "suites_from": round(t_suites - t_start, 2),
+                            "suites": round(time.monotonic() - t_suites, 2)}
     if warming is not None:
         manifest["prewarm"] = {**warm_note, **warming.summary(run_dir)}
         manifest["phases_s"]["prewarm"] = manifest["prewarm"]["wall_s"]
@@ -192,9 +216,42 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
     return Outcome(run_dir, status, res)
 
 
+class _Either:
+    """Set when either event is: what the suites poll (a signal, or the environment found broken)."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+class _Background:
+    """``fn()`` on a thread of its own from now; ``wait`` returns its value, or raises what it raised."""
+
+    def __init__(self, fn) -> None:
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="suites", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:     # noqa: BLE001  raised again by ``wait`` on the caller's thread
+            self.error = e
+
+    def wait(self, reraise: bool = True):
+        while self.thread.is_alive():  # in short joins: a signal's handler runs on this (the main) thread
+            self.thread.join(0.2)
+        if self.error is not None and reraise:
+            raise self.error
+        return self.value
+
+
 def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop,
                 locks):
-    """Every suite, on the threads the sharing mode asks for; returns those threads."""
+    """Every suite, on the threads the sharing mode asks for; returns those threads. ``stop``: polled
+    (``is_set``); once set, each suite kills its processes and keeps what they finished."""
     def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
         for name in queue:
             if stop.is_set():

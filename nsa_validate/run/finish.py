@@ -88,7 +88,7 @@ def _unfinished_headline(status: str, results: dict[str, SuiteResult], not_exerc
     """The verdict line of a run that did not complete: what stopped it first, then the suites (a suite
     an interruption stopped is "stopped", not "errored")."""
     if status == "env-broken":
-        return "FAIL: environment broken, no suite ran (env.json and the report say what is wrong)"
+        return "FAIL: environment broken, suites stopped and none counted (env.json and the report say what is wrong)"
     rest = headline("fail", results, not_exercised).split(": ", 1)[1] if results else ""
     if status == "interrupted":
         rest = rest.replace(" errored", " stopped")

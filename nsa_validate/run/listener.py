@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 from nsa_validate.report.schema import CaseRecord, SuiteResult
@@ -21,7 +22,7 @@ class Listener:
         """``report``: the ``envcheck.EnvReport`` of this machine."""
 
     def env_broken(self) -> None:
-        """The environment is broken and the run gates on it: no suite will run."""
+        """The environment is broken and the run gates on it: the suites were stopped, none counts."""
 
     def suites_running(self) -> contextlib.AbstractContextManager:
         """Entered while the suites run (e.g. a live display)."""
@@ -43,3 +44,36 @@ class Listener:
 
     def shared_gpu_overlaps(self, overlaps: list[str]) -> None:
         """Timed cases that did not have their GPU alone (``gpu_share.collect``)."""
+
+
+class Held(Listener):
+    """The suites' events (``suite_*``) for ``inner``, kept in order until ``release``, then passed on
+    as they come: the suites start beside the environment check, whose report is shown first."""
+
+    def __init__(self, inner: Listener) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._kept: list | None = []          # None once released
+
+    def _on(self, event: str, *args) -> None:
+        with self._lock:
+            if self._kept is not None:
+                self._kept.append((event, args))
+                return
+        getattr(self.inner, event)(*args)
+
+    def release(self) -> None:
+        """Pass on what was kept (under the lock: a later event waits for it), then every event."""
+        with self._lock:
+            kept, self._kept = self._kept or [], None
+            for event, args in kept:
+                getattr(self.inner, event)(*args)
+
+    def suite_started(self, name: str, where: str, processes: int = 1) -> None:
+        self._on("suite_started", name, where, processes)
+
+    def suite_progress(self, name, done, total, running, elapsed_s) -> None:
+        self._on("suite_progress", name, done, total, running, elapsed_s)
+
+    def suite_finished(self, name, where, result) -> None:
+        self._on("suite_finished", name, where, result)

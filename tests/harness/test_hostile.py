@@ -183,10 +183,14 @@ def _records(run: Path) -> list[str]:
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """The processes ``pid`` started, from any of its threads (the run starts its suites on one)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
 
 
 def _alive(pid: int) -> bool:

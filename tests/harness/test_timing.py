@@ -88,6 +88,9 @@ def test_gpu_warmup_runs_for_warmup_ms_of_gpu_time():
     calls.clear()
     t = timing.bench(fn, reps=5, warmup=0, telemetry=False)
     assert len(calls) == 5 and t.warmup == 0
+    # timed as one graph, the warm-up is WARMUP_MS too, not a whole replay of the graph's 100 calls
+    t = timing.bench(lambda: torch.cuda._sleep(cycles), reps=100, graph=True, telemetry=False)
+    assert len(t.samples_ms) == 100 and timing.WARMUP_MS / 1.5 <= t.warmup <= timing.WARMUP_MS + 8, t.warmup
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the GPU: needs CUDA")
