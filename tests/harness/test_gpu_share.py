@@ -74,3 +74,32 @@ def test_a_hold_log_line_cut_short_is_skipped(tmp_path):
                    + '{"pid": 3, "exclusive": fal')
     assert gpu_share.overlaps(str(log)) == []
     assert gpu_share.alone(tmp_path) == {"a::bench": 1.5}
+
+
+def test_a_suite_in_several_processes_beside_others_takes_its_exclusive_cases_first(monkeypatch):
+    """``plugin.pytest_collection_modifyitems``: exclusive cases first (their setups run beside the other
+    processes' parity cases), each group in its collected order; a skipped exclusive case is not moved,
+    nor is anything where the suite runs alone on its GPU or as one process."""
+    import dataclasses
+
+    from nsa_validate.suite import context, plugin
+
+    class Case:
+        def __init__(self, name, *marks):
+            self.name, self.marks = name, set(marks)
+
+        def get_closest_marker(self, mark):
+            return mark if mark in self.marks else None
+
+        def iter_markers(self, name):
+            return iter(())
+
+    def order(**ctx):
+        cases = [Case("parity1"), Case("bench", "nsa_exclusive"), Case("parity2"),
+                 Case("skipped", "nsa_exclusive", "skip"), Case("needle", "nsa_exclusive")]
+        monkeypatch.setattr(context, "_current", dataclasses.replace(context.current(), **ctx))
+        plugin.pytest_collection_modifyitems(None, None, cases)
+        return [c.name for c in cases]
+    assert order(gpu_lock="lock", workers=3) == ["bench", "needle", "parity1", "parity2", "skipped"]
+    assert order(gpu_lock=None, workers=3) == ["parity1", "bench", "parity2", "skipped", "needle"]
+    assert order(gpu_lock="lock", workers=1) == ["parity1", "bench", "parity2", "skipped", "needle"]
