@@ -18,8 +18,8 @@ from pathlib import Path
 
 from nsa_validate import __version__, pycache, startup
 from nsa_validate.config import profiles
-from nsa_validate.env import envcheck
-from nsa_validate.run import compare, prewarm, rundir
+from nsa_validate.env import envcheck, interpret
+from nsa_validate.run import compare, forkserver, prewarm, rundir
 from nsa_validate.suite import gpu_share
 from nsa_validate.suite.context import RunContext
 from nsa_validate.errors import UsageError
@@ -78,19 +78,31 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
     imported torch: a signal there would be lost); a signal before the run folder exists raises
     KeyboardInterrupt and leaves no folder."""
     t_start, started = time.monotonic(), startup.process_age()
+    # bad input (a named profile that does not load, a -k pytest cannot parse, an --out that cannot be
+    # written) is reported before any process starts; _execute checks them again where it needs them
+    if req.profile:
+        profiles.load(req.profile, req.level)
+    check_select(req.select)
+    rundir.check_out(req.out)
     early = _start_warming(req)
+    server = _start_forkserver(req)
     try:
         with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
-            return _execute(req, listener or Listener(), stop, t_start, started, early)
+            return _execute(req, listener or Listener(), stop, t_start, started, early, server)
     finally:
+        if server is not None:
+            server.close()
         if early is not None:
             early.close()
 
 
 def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, started: float | None,
-             early: prewarm.Prewarm | None) -> Outcome:
+             early: prewarm.Prewarm | None, server: forkserver.Server | None) -> Outcome:
     node = rundir.node_name(req.node)
     prof, device = profiles.resolve(req.profile, req.level)
+    if server is not None and device != server.device:      # its imports were made for another device
+        server.close()
+        server = None
     check_select(req.select)
     root = rundir.check_out(req.out)
     warming, warm_note = _prewarm(req, prof, device, t_start, early)
@@ -144,7 +156,7 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
             preload = _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
             t_suites = time.monotonic()
             suites = _Background(lambda: _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu,
-                                                     workers, results, held, halt, locks))
+                                                     workers, results, held, halt, locks, server))
         if rep is None:
             rep = envcheck.collect(wait=False)     # PyTorch's own report finishes beside the suites (``complete``)
             t_env = time.monotonic()
@@ -249,7 +261,7 @@ class _Background:
 
 
 def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop,
-                locks):
+                locks, server=None):
     """Every suite, on the threads the sharing mode asks for; returns those threads. ``stop``: polled
     (``is_set``); once set, each suite kills its processes and keeps what they finished."""
     def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
@@ -270,7 +282,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
                              commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index),
                              workers=workers[name], compile_locks=str(locks),
                              launch_log=str(run_dir / "kernels.jsonl") if device == "cuda" else None)
-            results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set)
+            results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set, server)
             listener.suite_finished(name, where, results[name])
 
     n_gpus = req.n_gpus
@@ -325,6 +337,19 @@ def _preload_reporting(plots: bool) -> threading.Thread:
 def _joined(th: threading.Thread | None) -> None:
     if th is not None:
         th.join(timeout=120)
+
+
+def _start_forkserver(req: RunRequest) -> forkserver.Server | None:
+    """The process the suites' processes are forked from (``forkserver``), started now for the device a
+    run here most likely uses, so that its imports overlap the run's own; None where there are no suites
+    or it cannot be started (each suite process is then started on its own)."""
+    if not req.suites or not sys.platform.startswith("linux"):    # forks after torch's import: Linux only
+        return None
+    device = forkserver.devices_present()
+    try:
+        return forkserver.Server(interpret.child_env(device, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"), device)
+    except OSError:
+        return None
 
 
 def _start_warming(req: RunRequest) -> prewarm.Prewarm | None:

@@ -74,14 +74,16 @@ def read_records(path: Path, bad: list[str] | None = None,
 
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
               on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
-              should_stop: Callable[[], bool] = lambda: False) -> SuiteResult:
+              should_stop: Callable[[], bool] = lambda: False, server=None) -> SuiteResult:
     """One suite as ``ctx.workers`` pytest processes: with more than one, each takes the next case
     from a shared counter (``suite/claim.py``) and all append to one records file; the first
-    process logs to ``logs/<suite>.log``, the k-th to ``logs/<suite>.<k>.log``."""
+    process logs to ``logs/<suite>.log``, the k-th to ``logs/<suite>.<k>.log``. ``server``: a
+    ``forkserver.Server`` to fork them from (where it cannot, each is started as a new process)."""
     ctx_path = run_dir / "suites" / f"{suite.name}.context.json"
     rec_path = run_dir / "suites" / f"{suite.name}.records.jsonl"
     ctx.out_dir = str(run_dir / "suites" / suite.name)
-    ctx.parent_pid = os.getpid()
+    # the process that starts them: a suite process dies with it (``plugin._watch_parent``)
+    ctx.parent_pid = server.proc.pid if server is not None and not server.ended else os.getpid()
     Path(ctx.out_dir).mkdir(parents=True, exist_ok=True)
     ctx.save(ctx_path)
     cmd = [sys.executable, "-m", "pytest", str(suite.path), "-q", "-rfEs", "-p", "no:cacheprovider",
@@ -101,8 +103,10 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
             with open(log_path, "w") as log:
                 log.write("$ " + " ".join(one) + "\n")
                 log.flush()
-                procs.append(subprocess.Popen(one, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True, preexec_fn=orphans.die_with_parent()))
+                forked = server.spawn(one[3:], suite_env(ctx), log_path) if server is not None else None
+                procs.append(forked or subprocess.Popen(one, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log,
+                                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                                        preexec_fn=orphans.die_with_parent()))
         while any(p.poll() is None for p in procs):
             time.sleep(0.3)
             total, done, running = read_records(rec_path)

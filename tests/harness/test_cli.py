@@ -120,7 +120,10 @@ def test_k_selects_cases_and_timeout_limits_each_suite(tmp_path):
     ids = [c["id"] for c in json.loads((run / "results.json").read_text())["suites"]["sanity"]["cases"]]
     assert ids and all(i.startswith("short_sequences_finite[7-") for i in ids), ids
     assert json.loads((run / "manifest.json").read_text())["select"] == "short_sequences and 7"
-    r = cli("suite", "sanity", "--timeout", "1", "--out", str(tmp_path / "b"), "--json")
+    # a case of seconds (the Triton forward under the interpreter, on the CPU whatever the machine): its
+    # suite is stopped at 1 s however quickly its process starts
+    r = cli("suite", "triton", "--profile", "cpu", "--level", "quick", "-k", "test_forward",
+            "--timeout", "1", "--out", str(tmp_path / "b"), "--json")
     assert r.returncode == 1 and "timed out after 1s" in r.stderr, r.stderr[-2000:]
 
 

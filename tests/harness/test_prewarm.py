@@ -222,21 +222,23 @@ class _Seen(prewarm.Prewarm):
 @pytest.mark.parametrize("how", ["no-gpu", "bad-select", "bad-out"])
 def test_a_run_that_does_not_warm_stops_the_early_process_and_leaves_nothing(tmp_path, monkeypatch, how):
     """The warming's first process starts with the run, before its profile is known; a run that then does
-    not warm (no GPU, here the CPU profile) or stops at a usage error stops it and removes its scratch."""
+    not warm (no GPU, here the CPU profile) stops it and removes its scratch. A usage error the run can tell
+    without torch (a -k pytest cannot parse, an --out that cannot be written) stops it before any process."""
     import nsa_validate as nv
     from nsa_validate.errors import UsageError
     monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
     monkeypatch.setattr(prewarm, "Prewarm", _Seen)
-    _Seen.made = []
+    _Seen.made, _Seen.tried = [], 0
     req = nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs"), select="(" if how == "bad-select" else None)
     if how == "bad-out":
         (tmp_path / "runs").write_text("a file")
-    if how == "no-gpu":
-        out = nv.run.execute(req)
-        assert "prewarm" not in out.results["manifest"]
-    else:
+    if how != "no-gpu":
         with pytest.raises(UsageError):
             nv.run.execute(req)
+        assert _Seen.tried == 0, "a warming process was started for a run that could not start"
+        return
+    out = nv.run.execute(req)
+    assert "prewarm" not in out.results["manifest"]
     (w,) = _Seen.made
     time.sleep(0.3)
     assert not _alive(w.procs[0].pid) and not w.scratch.exists()
