@@ -188,6 +188,8 @@ def _execute(req: RunRequest, listener: Listener, stop: Stop, t_start: float, st
         raise
     if stop.is_set():
         status = "interrupted"
+        if suites is not None and not threads:     # stopped before the run waited for them (during the env check)
+            suites.wait(reraise=False)
         for th in threads:             # each shard kills its suite process and returns
             th.join(timeout=60)
         listener.interrupted(list(dict.fromkeys(stop.signals)))
