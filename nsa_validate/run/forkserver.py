@@ -63,7 +63,7 @@ class Server:
     caller starts the process itself."""
 
     def __init__(self, env: dict, device: str) -> None:
-        self.env, self.device = env, device
+        self.device = device
         self.changed = threading.Condition()
         self.pids: dict[int, int] = {}          # request id -> pid
         self.codes: dict[int, int] = {}         # pid -> exit code

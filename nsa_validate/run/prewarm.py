@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from nsa_validate import orphans
+from nsa_validate.run import forkserver
 from nsa_validate.paths import PROFILE_DIR, REPO_ROOT, kernel_sources
 
 LIST_DIR = PROFILE_DIR / "kernels"
@@ -70,7 +71,7 @@ def may_warm(req_select: str | None, level: str) -> bool:
     an NVIDIA device node (Linux's ``/dev/nvidiactl``, WSL's ``/dev/dxg``: a machine without one warms
     nothing), and a list shipped for the level. The run decides for good once it knows its profile and
     device (``go`` or ``close``)."""
-    return (not req_select and any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/dxg"))
+    return (not req_select and forkserver.devices_present() == "cuda"
             and any(LIST_DIR.glob(f"*-{level}.jsonl")))
 
 

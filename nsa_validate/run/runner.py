@@ -94,6 +94,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
     timeout = ctx.timeout_s or ctx.profile.timeout(suite.name)
     t0 = time.monotonic()
     procs: list[subprocess.Popen] = []
+    env = suite_env(ctx)
     problem = ""
     interrupted = False
     try:
@@ -103,8 +104,8 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
             with open(log_path, "w") as log:
                 log.write("$ " + " ".join(one) + "\n")
                 log.flush()
-                forked = server.spawn(one[3:], suite_env(ctx), log_path) if server is not None else None
-                procs.append(forked or subprocess.Popen(one, cwd=REPO_ROOT, env=suite_env(ctx), stdout=log,
+                forked = server.spawn(one[3:], env, log_path) if server is not None else None
+                procs.append(forked or subprocess.Popen(one, cwd=REPO_ROOT, env=env, stdout=log,
                                                         stderr=subprocess.STDOUT, start_new_session=True,
                                                         preexec_fn=orphans.die_with_parent()))
         while any(p.poll() is None for p in procs):
