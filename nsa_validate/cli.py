@@ -11,23 +11,25 @@ import errno
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from nsa_validate import __version__, run, safefs, startup
+from nsa_validate import __version__, safefs, startup
 from nsa_validate.config import profiles, thresholds
 from nsa_validate.config.registry import SUITES
 from nsa_validate.console import ConsoleListener, err, show_comparison, show_env, show_verdict
-from nsa_validate.env import envcheck
 from nsa_validate.errors import EXIT_ENV_BROKEN, EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
-from nsa_validate.report import fleet
-from nsa_validate.report.schema import write_json
-from nsa_validate.run import compare, fleet_scan, rundir
+from nsa_validate.run import compare, rundir
 from nsa_validate.run.stop import Stop
+
+# The run lifecycle (nsa_validate.run's execute/finish), the environment check and the fleet report are
+# imported by the commands that use them: `--help`, `list` and every usage error answer without loading them.
+if TYPE_CHECKING:
+    from nsa_validate.run.execute import RunRequest
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -76,6 +78,7 @@ NodeOpt = typer.Option(None, "--node", help="the node's name for the manifest an
 @app.command("env")
 def env_cmd(json_out: bool = JsonOpt) -> None:
     """Check torch / triton / flash-attn / CUDA pairing on this machine."""
+    from nsa_validate.env import envcheck
     rep = envcheck.collect()
     show_env(rep)
     if json_out:
@@ -106,7 +109,8 @@ def suite_cmd(names: List[SuiteName] = typer.Argument(..., help="suite names (se
               timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt,
               node: Optional[str] = NodeOpt) -> None:
     """Run the named suites."""
-    req = run.RunRequest(list(dict.fromkeys(n.value for n in names)), profile, level.value, out, strict,
+    from nsa_validate.run.execute import RunRequest
+    req = RunRequest(list(dict.fromkeys(n.value for n in names)), profile, level.value, out, strict,
                          allowed_skips=_allow_list(allow_skips, strict), share_gpu=share_gpu, select=select,
                          timeout=timeout, workers=workers, node=node)
     raise typer.Exit(_run(req, json_out))
@@ -124,9 +128,10 @@ def oneshot_cmd(profile: Optional[str] = ProfileOpt, level: Level = LevelOpt, ou
                 timeout: Optional[int] = TimeoutOpt, workers: Optional[int] = WorkersOpt,
                 node: Optional[str] = NodeOpt) -> None:
     """Environment check, then every suite: one verdict and one run folder."""
+    from nsa_validate.run.execute import RunRequest
     compare.check_max_regression(max_regression)
     base = compare.load(baseline) if baseline is not None else None
-    req = run.RunRequest(list(SUITES), profile, level.value, out, strict, gate_env=not keep_going,
+    req = RunRequest(list(SUITES), profile, level.value, out, strict, gate_env=not keep_going,
                          allowed_skips=_allow_list(allow_skips, strict), baseline=base, max_regression=max_regression,
                          n_gpus=_gpu_count(gpus), share_gpu=share_gpu, select=select, timeout=timeout,
                          workers=workers, node=node)
@@ -181,8 +186,9 @@ def compare_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                 max_regression: float = MaxRegOpt,
                 json_out: bool = JsonOpt) -> None:
     """Compare a run with a baseline: exit 1 on a regression (correctness or timing beyond noise)."""
+    from nsa_validate.run.finish import load_run
     compare.check_max_regression(max_regression)
-    res = run.load_run(run_dir)
+    res = load_run(run_dir)
     cmp = compare.compare(compare.from_results(res, str(run_dir)), compare.load(baseline), max_regression)
     show_comparison(cmp)
     if json_out:
@@ -202,9 +208,10 @@ def baseline_save_cmd(run_dir: Path = typer.Argument(..., help="a run folder"),
                       json_out: bool = JsonOpt) -> None:
     """Save a run's statuses and timings as a baseline, keyed by GPU model, capability and profile."""
     import re
+    from nsa_validate.run.finish import load_run
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UsageError(f"--name '{name}': use letters, digits, '.', '_' and '-' only")
-    res = run.load_run(run_dir)
+    res = load_run(run_dir)
     v = res["verdict"]
     unfit = ("executed no case" if v["totals"]["pass"] + v["totals"]["fail"] == 0 else
              "failed" if v["status"] == "fail" else None)
@@ -243,6 +250,9 @@ def merge_cmd(paths: List[Path] = typer.Argument(..., metavar="PATH", help="run 
     (or partial, as a run's own exit code counts it) and no expected node is missing; 1: a run failed,
     is still running or half-written, or an expected node or run is missing; 2: bad usage (a PATH that
     does not exist without --expect/--expect-count, no run folder found and none expected)."""
+    from nsa_validate.report import fleet
+    from nsa_validate.report.schema import write_json
+    from nsa_validate.run import fleet_scan
     names = _expect_names(expect)
     tolerate = bool(names) or expect_count is not None
     root = rundir.check_out(out)                   # a bad --out is refused before hundreds of files are read
@@ -292,7 +302,8 @@ def profile_suggest_cmd(run_dir: Path = typer.Argument(..., help="a run folder w
                         json_out: bool = JsonOpt) -> None:
     """Write the routing thresholds a run measured (FA-2 from the fa2 suite, the Triton compressed /
     selection kernels from the triton suite) into a suggested profile next to the shipped one."""
-    res = run.load_run(run_dir)
+    from nsa_validate.run.finish import load_run
+    res = load_run(run_dir)
     suggest = {}
     for name in ("fa2", "triton"):
         suggest.update(((res["suites"].get(name) or {}).get("extra") or {}).get("suggest") or {})
@@ -345,12 +356,13 @@ def report_cmd(run_dir: Path = typer.Argument(..., help="a run folder"), json_ou
                                                 "embedded images)")) -> None:
     """Re-render report.md, summary.txt and metrics.csv of a run folder from its results.json (a folder left running by a
     process that vanished is repaired first: see ``repair``)."""
-    manifest = run.read_manifest(run_dir, required=False)
-    if manifest is not None and manifest.get("status") == "running" and run.stale(manifest):
-        err.print(f"run was left running ({run.stale(manifest)}): marking it interrupted (process vanished)")
-        run.repair(run_dir, manifest)
-    res = run.load_run(run_dir)
-    run.write_views(run_dir, res, embed_plots)
+    from nsa_validate.run.finish import load_run, read_manifest, repair, stale, write_views
+    manifest = read_manifest(run_dir, required=False)
+    if manifest is not None and manifest.get("status") == "running" and stale(manifest):
+        err.print(f"run was left running ({stale(manifest)}): marking it interrupted (process vanished)")
+        repair(run_dir, manifest)
+    res = load_run(run_dir)
+    write_views(run_dir, res, embed_plots)
     err.print(f"report: {run_dir / 'report.md'}, {run_dir / 'summary.txt'}, {run_dir / 'metrics.csv'}")
     if json_out:
         print(json.dumps({"report": str(run_dir / "report.md"), "verdict": res["verdict"]["status"]}))
@@ -363,25 +375,27 @@ def repair_cmd(run_dir: Path = typer.Argument(..., help="a run folder marked run
                json_out: bool = JsonOpt) -> None:
     """Mark a run folder left 'running' by a process that vanished (killed, machine lost) as
     interrupted, keeping every case its suites finished."""
-    manifest = run.read_manifest(run_dir)
+    from nsa_validate.run.finish import read_manifest, repair, stale
+    manifest = read_manifest(run_dir)
     status = manifest.get("status")
     failed_write = isinstance(status, str) and status.startswith("error: ")     # e.g. a full disk
     if status != "running" and not failed_write:
         raise UsageError(f"'{run_dir}' is not marked running (status: {status}); nothing to repair")
-    why = "its last write failed" if failed_write else run.stale(manifest)
+    why = "its last write failed" if failed_write else stale(manifest)
     if why is None and not force:
         raise UsageError(f"'{run_dir}' may still be running (pid {manifest.get('pid')} on {manifest.get('host')}); "
                          f"pass --force if it is not")
-    res = run.repair(run_dir, manifest)
+    res = repair(run_dir, manifest)
     show_verdict(res, run_dir)
     if json_out:
         print(json.dumps({"run_dir": str(run_dir), "status": res["manifest"]["status"], "verdict": res["verdict"]}))
 
 
-def _run(req: run.RunRequest, json_out: bool) -> int:
+def _run(req: RunRequest, json_out: bool) -> int:
     """Run the request, show progress and the verdict; the exit code."""
+    from nsa_validate.run.execute import execute
     with Stop() as stop:                        # before torch is imported: a signal during the import is kept
-        out = run.execute(req, ConsoleListener(), stop)
+        out = execute(req, ConsoleListener(), stop)
     res = out.results
     if res.get("comparison"):
         show_comparison(res["comparison"])

@@ -8,15 +8,18 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from nsa_validate import run
-from nsa_validate.env import envcheck
+from nsa_validate.run.listener import Listener
 from nsa_validate.report.schema import run_level
+
+if TYPE_CHECKING:
+    from nsa_validate.env.envcheck import EnvReport
 
 
 class _Stderr:
@@ -57,7 +60,7 @@ def styled(s: str) -> str:
     return f"[{STYLE.get(s, 'white')}]{s}[/]"
 
 
-def show_env(rep: envcheck.EnvReport) -> None:
+def show_env(rep: EnvReport) -> None:
     f = rep.facts
     gpu = f.get("gpu") or {}
     t = Table(title=f"environment: {styled(rep.verdict)}", title_justify="left")
@@ -92,7 +95,7 @@ def show_comparison(cmp: dict) -> None:
               f"{len(cmp['regressions'])} regression(s)")
 
 
-class ConsoleListener(run.Listener):
+class ConsoleListener(Listener):
     """Progress on stderr: on a terminal, a bar per suite with the case running now and an ETA
     from the profile's ``expected_s``; else (a CI log) one plain line per event."""
 

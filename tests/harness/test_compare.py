@@ -176,7 +176,7 @@ def test_gpus_flag_is_checked():
 
 
 def test_shards_balance_by_the_profile_timeouts():
-    from nsa_validate.run import shard as _shard
+    from nsa_validate.run.execute import shard as _shard
     from nsa_validate.config.profiles import load
     prof = load("sm90")
     names = ["sanity", "triton", "fa2", "decode", "layer", "counters"]

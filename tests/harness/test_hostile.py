@@ -338,6 +338,7 @@ def test_a_full_disk_marks_the_folder_and_leaves_no_temp_files(tmp_path, monkeyp
     """ENOSPC while writing results.json: one line, exit 2, the folder marked 'error: disk full'."""
     from nsa_validate import cli as nv
     from nsa_validate import safefs
+    from nsa_validate.run.execute import RunRequest, execute
     real = safefs.atomic_write
 
     def full(path, text):
@@ -350,7 +351,7 @@ def test_a_full_disk_marks_the_folder_and_leaves_no_temp_files(tmp_path, monkeyp
     monkeypatch.setattr(sys, "argv", ["nsa-validate", "suite", "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         try:
-            nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path)))
+            execute(RunRequest([], "cpu", out=str(tmp_path)))
         except OSError as err:
             nv._exit_with_error(nv._os_error(err), 2)
     assert e.value.code == 2
@@ -369,6 +370,7 @@ def test_a_disk_that_fills_up_is_named_marked_and_repairable(tmp_path, monkeypat
 
     from nsa_validate import cli as nv
     from nsa_validate import safefs
+    from nsa_validate.run.execute import RunRequest, execute
     real_mkstemp, real_open = safefs.tempfile.mkstemp, builtins.open
     full = [] if free == "in-place" else [1]         # "none": not a byte from the start
 
@@ -385,7 +387,7 @@ def test_a_disk_that_fills_up_is_named_marked_and_repairable(tmp_path, monkeypat
     monkeypatch.setattr(safefs.tempfile, "mkstemp", mkstemp)
     monkeypatch.setattr(builtins, "open", opener)
     with pytest.raises(OSError) as e:
-        nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path)))
+        execute(RunRequest([], "cpu", out=str(tmp_path)))
     monkeypatch.undo()
     msg = nv._os_error(e.value)            # the one line the CLI prints
     runs = [p for p in tmp_path.glob("*/*") if p.is_dir()]

@@ -224,20 +224,20 @@ def test_a_run_that_does_not_warm_stops_the_early_process_and_leaves_nothing(tmp
     """The warming's first process starts with the run, before its profile is known; a run that then does
     not warm (no GPU, here the CPU profile) stops it and removes its scratch. A usage error the run can tell
     without torch (a -k pytest cannot parse, an --out that cannot be written) stops it before any process."""
-    import nsa_validate as nv
+    from nsa_validate.run.execute import RunRequest, execute
     from nsa_validate.errors import UsageError
     monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
     monkeypatch.setattr(prewarm, "Prewarm", _Seen)
     _Seen.made, _Seen.tried = [], 0
-    req = nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs"), select="(" if how == "bad-select" else None)
+    req = RunRequest([], "cpu", out=str(tmp_path / "runs"), select="(" if how == "bad-select" else None)
     if how == "bad-out":
         (tmp_path / "runs").write_text("a file")
     if how != "no-gpu":
         with pytest.raises(UsageError):
-            nv.run.execute(req)
+            execute(req)
         assert _Seen.tried == 0, "a warming process was started for a run that could not start"
         return
-    out = nv.run.execute(req)
+    out = execute(req)
     assert "prewarm" not in out.results["manifest"]
     (w,) = _Seen.made
     time.sleep(0.3)
@@ -249,13 +249,13 @@ def test_a_scratch_folder_that_cannot_be_made_only_skips_the_warming(tmp_path, m
     folder under a file) the run goes on without it."""
     import tempfile
 
-    import nsa_validate as nv
+    from nsa_validate.run.execute import RunRequest, execute
     monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
     monkeypatch.setattr(prewarm, "Prewarm", _Seen)
     _Seen.made, _Seen.tried = [], 0
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
-    out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
+    out = execute(RunRequest([], "cpu", out=str(tmp_path / "runs")))
     assert (_Seen.tried, _Seen.made, out.status) == (1, [], "complete")
 
 
@@ -275,7 +275,7 @@ def _as_on_a_gpu(monkeypatch, tmp_path, listed):
 def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, monkeypatch):
     """Told the list once the run has its profile: the manifest says when it began and what it did, the
     run folder keeps its lines and logs, and no warming process or scratch folder outlives the run."""
-    import nsa_validate as nv
+    from nsa_validate.run.execute import RunRequest, execute
     listed = tmp_path / "list.jsonl"
     listed.write_text("".join(json.dumps({"fn": f"no_such_module:k{i}", "args": [], "kwargs": {}}) + "\n"
                               for i in range(3)))
@@ -288,7 +288,7 @@ def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, 
             p.wait(timeout=120)
         return collect(**kw)
     monkeypatch.setattr(envcheck, "collect", after_the_warming)
-    out = nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs")))
+    out = execute(RunRequest([], "cpu", out=str(tmp_path / "runs")))
     p = out.results["manifest"]["prewarm"]
     assert p["list"] == str(listed) and p["started_s"] >= 0 and (p["kernels"], p["not_reached"]) == (3, 0), p
     assert p["imported_s"] is not None and 0 < p["imported_s"] < 600, p      # its process stamped its imports' end
@@ -300,7 +300,7 @@ def test_a_run_that_warms_keeps_the_record_and_leaves_nothing_running(tmp_path, 
 def test_a_usage_error_after_the_warming_began_stops_it(tmp_path, monkeypatch):
     """A run refused after its warming was told to go (here a baseline from another machine) stops every
     warming process and removes the scratch folder."""
-    import nsa_validate as nv
+    from nsa_validate.run.execute import RunRequest, execute
     from nsa_validate.errors import UsageError
     from nsa_validate.run import compare
     (tmp_path / "mods").mkdir()
@@ -321,7 +321,7 @@ def test_a_usage_error_after_the_warming_began_stops_it(tmp_path, monkeypatch):
         raise UsageError("another machine's baseline")
     monkeypatch.setattr(compare, "check_same_machine", refuse)
     with pytest.raises(UsageError):
-        nv.run.execute(nv.run.RunRequest([], "cpu", out=str(tmp_path / "runs"), baseline={}))
+        execute(RunRequest([], "cpu", out=str(tmp_path / "runs"), baseline={}))
     (w,) = _Seen.made
     assert len(refuse.pids) >= 2, refuse.pids
     time.sleep(0.5)

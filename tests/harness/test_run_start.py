@@ -4,7 +4,8 @@ import json
 import time
 
 from nsa_validate.env import envcheck
-from nsa_validate.run import Listener, RunRequest, execute
+from nsa_validate.run.execute import RunRequest, execute
+from nsa_validate.run.listener import Listener
 from nsa_validate.run.listener import Held
 
 
