@@ -72,6 +72,19 @@ def read_records(path: Path, bad: list[str] | None = None,
     return collected, cases, running
 
 
+def kill(p) -> None:
+    """Kill a suite process's group (it leads one) unless it has ended, and wait for its exit code. ``p``: a
+    ``subprocess.Popen`` or a fork server's ``Forked``. A forked child is reaped by the server, which says so
+    later: it can be gone, its group with it, while ``poll`` still says it runs (a ``--timeout 1`` run's
+    one-second suite met this in CI: ESRCH from ``killpg`` ended the run as "error: No such process")."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
 def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
               on_progress: Callable[[list[CaseRecord], int | None, str | None], None] = lambda done, total, running: None,
               should_stop: Callable[[], bool] = lambda: False, server=None) -> SuiteResult:
@@ -122,9 +135,7 @@ def run_suite(suite: Suite, ctx: RunContext, run_dir: Path,
         problem, interrupted = "interrupted", True
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill(p)
         for f in (run_dir / "suites").glob(f"{suite.name}.claim*"):    # the processes' shared counter
             f.unlink(missing_ok=True)
     codes = [p.returncode for p in procs]

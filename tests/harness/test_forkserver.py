@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -57,3 +58,29 @@ def test_a_suite_run_forks_its_processes_from_the_server(tmp_path):
     parent = json.loads((d / "suites" / "sanity.context.json").read_text())["parent_pid"]
     cli_pid = json.loads((d / "manifest.json").read_text())["pid"]
     assert parent and parent != cli_pid, "the suite's process was started by the CLI, not forked by its server"
+
+
+def test_killing_a_child_the_server_reaped_before_saying_so_is_not_an_error():
+    """A forked child can end, and be reaped by the server, before its exit code reaches the run: ``poll``
+    still says it runs while its process group is gone. ``runner.kill`` (a suite's processes at its timeout
+    or a signal) then waits for the code instead of failing the run with ESRCH (seen in CI: a `--timeout 1`
+    run's one-second suite ended as "error: No such process")."""
+    from nsa_validate.run import runner
+    p = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    code = p.wait()                                   # reaped: its group is gone
+    with pytest.raises(ProcessLookupError):
+        os.killpg(p.pid, 0)
+
+    class NotYetTold:                                 # a Forked whose exit the server has not reported yet
+        pid = p.pid
+        waited = False
+
+        def poll(self):
+            return None
+
+        def wait(self):
+            self.waited = True
+            return code
+    child = NotYetTold()
+    runner.kill(child)
+    assert child.waited
