@@ -266,12 +266,14 @@ def auto_profile(level: str = DEFAULT_LEVEL) -> Profile:
     return load(auto_name(cap), level)
 
 
-def resolve(name_or_path: str | None = None, level: str = DEFAULT_LEVEL) -> tuple[Profile, str]:
+def resolve(name_or_path: str | None = None, level: str = DEFAULT_LEVEL,
+            loaded: Profile | None = None) -> tuple[Profile, str]:
     """The one place a run's profile and device are chosen: (the profile named, else the one for
     this machine's GPU, at ``level``; "cuda" when the profile asks for a GPU and one is visible,
     else "cpu"). The CLI's runs and a plain ``pytest suites/`` both come through here. A named profile
-    is read before torch is imported: a bad one is reported in a moment, not after torch's start-up."""
-    prof = load(name_or_path, level) if name_or_path else auto_profile(level)
+    is read before torch is imported: a bad one is reported in a moment, not after torch's start-up.
+    ``loaded``: the named profile as ``load`` already read it (a run reads it first, before any process starts)."""
+    prof = loaded or (load(name_or_path, level) if name_or_path else auto_profile(level))
     import torch
     return prof, "cuda" if prof.device == "cuda" and torch.cuda.is_available() else "cpu"
 

@@ -80,15 +80,14 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
     t_start, started = time.monotonic(), startup.process_age()
     # bad input (a named profile that does not load, a -k pytest cannot parse, an --out that cannot be
     # written) is reported before any process starts
-    if req.profile:
-        profiles.load(req.profile, req.level)
+    named = profiles.load(req.profile, req.level) if req.profile else None
     check_select(req.select)
     root = rundir.check_out(req.out)
     early = _start_warming(req)
     server = _start_forkserver(req)
     try:
         with contextlib.nullcontext(stop) if stop is not None else Stop() as stop:
-            return _execute(req, root, listener or Listener(), stop, t_start, started, early, server)
+            return _execute(req, named, root, listener or Listener(), stop, t_start, started, early, server)
     finally:
         if server is not None:
             server.close()
@@ -96,11 +95,13 @@ def execute(req: RunRequest, listener: Listener | None = None, stop: Stop | None
             early.close()
 
 
-def _execute(req: RunRequest, root: Path, listener: Listener, stop: Stop, t_start: float, started: float | None,
-             early: prewarm.Prewarm | None, server: forkserver.Server | None) -> Outcome:
-    """``execute`` once the input is checked: ``root`` is ``--out``'s folder (``rundir.check_out``)."""
+def _execute(req: RunRequest, named: profiles.Profile | None, root: Path, listener: Listener, stop: Stop,
+             t_start: float, started: float | None, early: prewarm.Prewarm | None,
+             server: forkserver.Server | None) -> Outcome:
+    """``execute`` once the input is checked: ``named`` is ``--profile``'s profile as read then (None: the
+    GPU's), ``root`` is ``--out``'s folder (``rundir.check_out``)."""
     node = rundir.node_name(req.node)
-    prof, device = profiles.resolve(req.profile, req.level)
+    prof, device = profiles.resolve(req.profile, req.level, loaded=named)
     if server is not None and device != server.device:      # its imports were made for another device
         server.close()
         server = None

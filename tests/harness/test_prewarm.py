@@ -264,7 +264,7 @@ def _as_on_a_gpu(monkeypatch, tmp_path, listed):
     the request names none), so that the warming is told to go."""
     from nsa_validate.config import profiles
     resolve = profiles.resolve
-    monkeypatch.setattr(profiles, "resolve", lambda name, level: (resolve(name, level)[0], "cuda"))
+    monkeypatch.setattr(profiles, "resolve", lambda name, level, loaded=None: (resolve(name, level, loaded)[0], "cuda"))
     monkeypatch.setattr(prewarm, "may_warm", lambda select, level: True)
     monkeypatch.setattr(prewarm, "list_for", lambda name, level: listed)
     monkeypatch.setattr(prewarm, "warm_marker", lambda kernels: tmp_path / "no-marker")
