@@ -280,9 +280,122 @@ def no_dead_overflow_checks() -> bool:
     return True
 
 
+def block_types_once() -> bool:
+    """Make Triton's interpreter build each block type's shape once, and skip the broadcast of equal shapes.
+
+    Every operation of an interpreted program makes a ``tl.tensor`` of a new ``block_type``, and each
+    ``block_type(element, shape)`` unwraps its shape, checks every dimension is a power of two, builds a
+    ``triton.language.tuple`` for it (with a type of its own) and its name; each tensor then builds a tuple
+    of ``constexpr`` of it. And every binary operation's ``broadcast_impl_value`` compares its operands'
+    shapes as those tuples, element by element. Together that was a third of a kernel's time under the
+    interpreter (CPU profiles of a decode top-n case and the layer's forward + backward on the kernels),
+    for values that depend on the shape alone. Here the first ``block_type`` of a shape is built by
+    Triton's own ``__init__`` (its checks, its errors) and what it made is kept: a later block type of
+    the same dimensions takes the same shape object, numel and name text, and a tensor of it the same
+    constexpr shape; operands whose block types hold the same shape object are returned as they are,
+    which is what Triton's broadcast returns for equal shapes (any other pair goes through Triton's).
+    The shared objects are never changed in place by the interpreter. Where this Triton lacks the pieces
+    (``block_type.__init__``, ``tensor.__init__``, ``TritonSemantic.broadcast_impl_value``), nothing is
+    changed and False is returned."""
+    import builtins
+    import math
+
+    try:
+        import triton.language.core as core
+        from triton.language import semantic
+    except ImportError:
+        return False
+    bt, tensor, sem = core.block_type, core.tensor, getattr(semantic, "TritonSemantic", None)
+    if sem is None or not all("__init__" in vars(c) for c in (bt, tensor)) \
+            or "broadcast_impl_value" not in vars(sem) or getattr(core, "tuple", None) is None:
+        return False
+    if getattr(bt.__init__, "__nsa_once__", False):
+        return True
+    constexpr, shape_tuple = core.constexpr, core.tuple
+    block_init, tensor_init, broadcast = bt.__init__, tensor.__init__, sem.broadcast_impl_value
+    by_dims: dict[builtins.tuple, builtins.tuple] = {}   # dims -> (shape object, numel, name text)
+    by_shape: dict[int, builtins.tuple] = {}             # id(shape object) -> the same; the objects live here
+    of_tensor: dict[int, builtins.tuple] = {}            # id(shape object) -> (constexpr numel, constexpr shape)
+
+    @functools.wraps(block_init)
+    def init_once(self, element_ty, shape):
+        hit = by_shape.get(id(shape))                   # a shape taken from another block type of it
+        if hit is None:
+            if not isinstance(shape, (list, shape_tuple)):
+                return block_init(self, element_ty, shape)      # Triton's assertion
+            try:
+                dims = builtins.tuple(s.value if isinstance(s, constexpr) else s for s in shape)
+                hit = by_dims.get(dims)
+            except TypeError:                           # a dimension that is not a value: Triton says what
+                return block_init(self, element_ty, shape)
+            if hit is None:
+                block_init(self, element_ty, shape)     # Triton's checks; raises on a bad shape
+                hit = by_dims[dims] = by_shape[id(self.shape)] = (self.shape, self.numel, str(self.shape))
+                of_tensor[id(self.shape)] = (constexpr(math.prod(self.shape)),
+                                             shape_tuple([constexpr(s) for s in self.shape]))
+                return
+        self.element_ty = element_ty
+        self.shape, self.numel, text = hit
+        self.name = f"<{text}, {element_ty}>"
+
+    @functools.wraps(tensor_init)
+    def tensor_once(self, handle, type):
+        kept = of_tensor.get(id(type.shape)) if type.__class__ is bt else None
+        if kept is None:
+            return tensor_init(self, handle, type)
+        self.handle, self.type, self.dtype = handle, type, type.element_ty
+        self.numel, self.shape = kept
+
+    @functools.wraps(broadcast)
+    def broadcast_unless_equal(self, lhs, rhs):
+        lt, rt = lhs.type, rhs.type
+        if lt.__class__ is bt and rt.__class__ is bt and lt.shape is rt.shape:
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+    init_once.__nsa_once__ = True
+    bt.__init__, tensor.__init__, sem.broadcast_impl_value = init_once, tensor_once, broadcast_unless_equal
+    return True
+
+
+def numpy_dtypes_once() -> bool:
+    """Make Triton's interpreter look a numpy dtype up in a table it builds once, not at every call.
+
+    ``_get_np_dtype`` (the numpy type of a Triton type: every load, store, cast, splat and constant) builds
+    its table of eighteen types each time it is called: ~7% of a kernel's time under the interpreter. Here
+    the answer for a scalar type, or a block of one, is Triton's own, kept by the type's name (Triton's
+    types are equal when their names are); pointers and any other type go to Triton's function. Where this
+    Triton lacks ``_get_np_dtype``, nothing is changed and False is returned."""
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    find = getattr(ti, "_get_np_dtype", None)
+    if find is None:
+        return False
+    if getattr(find, "__nsa_once__", False):
+        return True
+    bt, scalar = ti.tl.block_type, ti.tl.dtype
+    kept: dict[str, object] = {}
+
+    @functools.wraps(find)
+    def find_once(tt_dtype):
+        el = tt_dtype.element_ty if tt_dtype.__class__ is bt else tt_dtype
+        if el.__class__ is not scalar:
+            return find(tt_dtype)
+        np_dtype = kept.get(el.name)
+        if np_dtype is None:
+            np_dtype = kept[el.name] = find(el)
+        return np_dtype
+    find_once.__nsa_once__ = True
+    ti._get_np_dtype = find_once
+    return True
+
+
 def speed_up() -> None:
     """The patches above, where this Triton's interpreter has what they wrap (``kernels/__init__.py``
     installs them before any launch when the kernels run under the interpreter)."""
     patch_lang_once_per_launch()
     reduce_xor_in_numpy()
     no_dead_overflow_checks()
+    block_types_once()
+    numpy_dtypes_once()

@@ -152,3 +152,61 @@ def test_int32_arithmetic_runs_no_overflow_check_and_wraps_as_on_a_gpu():
         ti.interpreter_semantic.cast = cast
     assert tl.int64 not in casts, "an int32 operation was checked for overflow in int64"
     assert torch.equal(out, x * 3 + y - 7)          # torch's int32 arithmetic wraps too
+
+
+@triton.jit
+def _broadcast_kernel(X, Y, OUT, N: tl.constexpr, M: tl.constexpr):
+    """OUT [N, M] fp32 = x[:, None] * y[None, :] + (x[:, None] + 2) + y[None, :] * 0.5 - rows·cols (int32),
+    from X [N] fp16 and Y [M] fp32: operands of equal shapes and dtypes, equal shapes and other dtypes,
+    column and row vectors broadcast to a tile, scalars splat onto it."""
+    r = tl.arange(0, N)
+    c = tl.arange(0, M)
+    x = tl.load(X + r)[:, None]
+    y = tl.load(Y + c)[None, :]
+    tile = x * y + (x + 2) + y * 0.5 - r[:, None] * c[None, :]
+    tl.store(OUT + r[:, None] * M + c[None, :], tile + tl.zeros((N, M), tl.float32))
+
+
+@triton.jit
+def _odd_tile_kernel(OUT, N: tl.constexpr):
+    tl.store(OUT + tl.arange(0, 4), tl.sum(tl.zeros((N, 4), tl.float32), 0))
+
+
+def test_block_types_built_once_a_shape_keep_triton_s_answers_and_errors():
+    """``kernels`` makes the interpreter keep each block shape's objects (``block_types_once``): block types of
+    the same dimensions share their shape, a broadcast of equal shapes hands its operands back; a kernel
+    mixing equal shapes, other dtypes, row and column broadcasts and splats still gives torch's answer,
+    launch after launch; a tile whose dimension is not a power of two is still Triton's error."""
+    import kernels  # noqa: F401  (installs it)
+    bt = tl.core.block_type
+    if not getattr(bt.__init__, "__nsa_once__", False):
+        pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    a, b = bt(tl.float16, [16, 32]), bt(tl.int32, [tl.constexpr(16), 32])
+    assert a.shape is b.shape and a == bt(tl.float16, [16, 32]) and a != b and str(b) == "<['16', '32'], int32>"
+    g = torch.Generator().manual_seed(3)
+    for N, M in ((16, 32), (32, 16), (16, 32)):
+        x, y = torch.randn(N, generator=g).half(), torch.randn(M, generator=g)
+        out = torch.empty(N, M)
+        _broadcast_kernel[(1,)](x, y, out, N=N, M=M)
+        xf = x.float()[:, None]             # x + 2 stays fp16, as in Triton; fp16 · fp32 is fp32
+        want = xf * y[None] + (x[:, None] + 2).float() + y[None] * 0.5 \
+            - (torch.arange(N)[:, None] * torch.arange(M)[None]).float()
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-5)
+    for _ in range(2):                 # the error is Triton's, and a failed shape is never kept
+        with pytest.raises(Exception, match="power of 2"):
+            _odd_tile_kernel[(1,)](torch.empty(4), N=3)
+
+
+def test_numpy_dtypes_looked_up_once_give_triton_s_own():
+    """``kernels`` makes the interpreter keep each type's numpy dtype (``numpy_dtypes_once``): for scalar
+    types, blocks of them, pointers and blocks of pointers it gives what Triton's own lookup gives."""
+    import kernels  # noqa: F401  (installs it)
+    from triton.runtime import interpreter as ti
+    if not getattr(ti._get_np_dtype, "__nsa_once__", False):
+        pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    own = ti._get_np_dtype.__wrapped__
+    types = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.int32, tl.uint32, tl.int64, tl.float8e5,
+             tl.pointer_type(tl.float32), tl.pointer_type(tl.int8)]
+    types += [tl.core.block_type(t, [8, 4]) for t in types]
+    for _ in range(2):
+        assert [ti._get_np_dtype(t) for t in types] == [own(t) for t in types]
