@@ -32,8 +32,13 @@ if TYPE_CHECKING:
     from nsa_validate.run.execute import RunRequest
 
 HELP_FLAGS = {"help_option_names": ["-h", "--help"]}
+# The root's flags a command line leaves unset default to False, not None: typer (0.29) coerces a None through a
+# pydantic adapter it builds for the flag, and importing pydantic for that was ~0.25 s of every subcommand's
+# `--help` (the CPU bound of `test_light_commands_load_neither_torch_nor_pandas`); a bool it passes through.
+ROOT_FLAGS_UNSET = {"help": False, "install_completion": False, "show_completion": False}
 app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, no_args_is_help=True,
-                  context_settings=HELP_FLAGS, help="Hardware validation harness for Native Sparse Attention.")
+                  context_settings={**HELP_FLAGS, "default_map": ROOT_FLAGS_UNSET},
+                  help="Hardware validation harness for Native Sparse Attention.")
 
 
 def _print_version(value: bool) -> None:
