@@ -323,11 +323,10 @@ def block_types_once() -> bool:
         if hit is None:
             if not isinstance(shape, (list, shape_tuple)):
                 return block_init(self, element_ty, shape)      # Triton's assertion
-            try:
-                dims = builtins.tuple(s.value if isinstance(s, constexpr) else s for s in shape)
-                hit = by_dims.get(dims)
-            except TypeError:                           # a dimension that is not a value: Triton says what
+            dims = builtins.tuple(s.value if isinstance(s, constexpr) else s for s in shape)
+            if not all(d.__class__ is int for d in dims):   # a float, a tensor: Triton's check says what
                 return block_init(self, element_ty, shape)
+            hit = by_dims.get(dims)
             if hit is None:
                 block_init(self, element_ty, shape)     # Triton's checks; raises on a bad shape
                 hit = by_dims[dims] = by_shape[id(self.shape)] = (self.shape, self.numel, str(self.shape))

@@ -183,6 +183,8 @@ def test_block_types_built_once_a_shape_keep_triton_s_answers_and_errors():
         pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
     a, b = bt(tl.float16, [16, 32]), bt(tl.int32, [tl.constexpr(16), 32])
     assert a.shape is b.shape and a == bt(tl.float16, [16, 32]) and a != b and str(b) == "<['16', '32'], int32>"
+    with pytest.raises(TypeError, match="constexpr"):      # Triton's check of each dimension, shape kept or not
+        bt(tl.float16, [16.0, 32])
     g = torch.Generator().manual_seed(3)
     for N, M in ((16, 32), (32, 16), (16, 32)):
         x, y = torch.randn(N, generator=g).half(), torch.randn(M, generator=g)
