@@ -298,7 +298,6 @@ def block_types_once() -> bool:
     (``block_type.__init__``, ``tensor.__init__``, ``TritonSemantic.broadcast_impl_value``), nothing is
     changed and False is returned."""
     import builtins
-    import math
 
     try:
         import triton.language.core as core
@@ -313,9 +312,10 @@ def block_types_once() -> bool:
         return True
     constexpr, shape_tuple = core.constexpr, core.tuple
     block_init, tensor_init, broadcast = bt.__init__, tensor.__init__, sem.broadcast_impl_value
-    by_dims: dict[builtins.tuple, builtins.tuple] = {}   # dims -> (shape object, numel, name text)
-    by_shape: dict[int, builtins.tuple] = {}             # id(shape object) -> the same; the objects live here
-    of_tensor: dict[int, builtins.tuple] = {}            # id(shape object) -> (constexpr numel, constexpr shape)
+    # dims -> (shape object, numel, name text, a tensor's constexpr numel, a tensor's constexpr shape), and the
+    # same by id(shape object): the objects live in these entries, so their ids stay theirs
+    by_dims: dict[builtins.tuple, builtins.tuple] = {}
+    by_shape: dict[int, builtins.tuple] = {}
 
     @functools.wraps(block_init)
     def init_once(self, element_ty, shape):
@@ -329,21 +329,21 @@ def block_types_once() -> bool:
             hit = by_dims.get(dims)
             if hit is None:
                 block_init(self, element_ty, shape)     # Triton's checks; raises on a bad shape
-                hit = by_dims[dims] = by_shape[id(self.shape)] = (self.shape, self.numel, str(self.shape))
-                of_tensor[id(self.shape)] = (constexpr(math.prod(self.shape)),
-                                             shape_tuple([constexpr(s) for s in self.shape]))
+                by_dims[dims] = by_shape[id(self.shape)] = (self.shape, self.numel, str(self.shape),
+                                                            constexpr(self.numel),
+                                                            shape_tuple([constexpr(s) for s in self.shape]))
                 return
         self.element_ty = element_ty
-        self.shape, self.numel, text = hit
+        self.shape, self.numel, text, _, _ = hit
         self.name = f"<{text}, {element_ty}>"
 
     @functools.wraps(tensor_init)
     def tensor_once(self, handle, type):
-        kept = of_tensor.get(id(type.shape)) if type.__class__ is bt else None
+        kept = by_shape.get(id(type.shape)) if type.__class__ is bt else None
         if kept is None:
             return tensor_init(self, handle, type)
         self.handle, self.type, self.dtype = handle, type, type.element_ty
-        self.numel, self.shape = kept
+        _, _, _, self.numel, self.shape = kept
 
     @functools.wraps(broadcast)
     def broadcast_unless_equal(self, lhs, rhs):
