@@ -2,7 +2,7 @@
 
 On a GPU each repetition is bracketed by CUDA events on the current stream, so the figure is the
 GPU's time, not Python's; with ``graph=True`` the work is captured in a CUDA graph, the repetitions
-with their events too, so that the whole timed loop is one graph launch and no host delay can fall
+with their events too, so that the timed loop is a few launches of one graph and no host delay can fall
 inside a sample. The warm-up runs the timed loop's iteration for at least WARMUP_MS of GPU time
 first. With ``queued=True`` each repetition
 waits behind a GPU sleep that outlasts the host's launching of it, so every kernel is queued
@@ -31,6 +31,10 @@ from nsa_core.cuda_graph import capturing
 L2_FLUSH_BYTES = 256 << 20      # larger than any current L2 (H100 50 MB, B200 126 MB)
 WARMUP_MS = 25.0                # the least GPU time the warm-up runs for, as ``triton.testing.do_bench``
 MAX_WARMUP = 1000               # but at most this many extra warm-up calls
+# repetitions one timed graph holds at most: n samples are ceil(n / GRAPH_CHUNK) replays of a graph of about n / that
+# many. A graph's capture and instantiation cost host time by its nodes (~0.1 s for the decode step's 200 at B=16 on
+# an H200, of a timing's 0.22-0.26 s); what a sample holds is the same in any replay (docs/decisions.md)
+GRAPH_CHUNK = 50
 
 
 def _evict_l2(buf: torch.Tensor) -> None:
@@ -163,8 +167,8 @@ def bench(fn: Callable[[], object], *, device: str = "cuda", warmup: int = 3, re
     rest 106-107). ``warmup`` = 0: no warm-up at all. ``Timing.warmup`` counts every warm-up call.
 
     ``graph``: fn captured in a CUDA graph (GPU only). Where torch records CUDA events inside a graph
-    (``Event(external=True)``), the whole timed loop is one graph, [flush, event, fn, event] × n, so
-    nothing the host does (or fails to do in time) can fall between a sample's two events
+    (``Event(external=True)``), the timed loop is replays of one graph, [flush, event, fn, event] × up to
+    GRAPH_CHUNK, so nothing the host does (or fails to do in time) can fall between a sample's two events
     (``Timing.events_in_graph``); else each repetition is a replay between events on the stream.
     ``queued``: the GPU's work alone, each repetition launched while the GPU sleeps (timer
     "cuda_queued"; GPU only). A function that waits on the GPU inside cannot get ahead of it, and
@@ -280,37 +284,44 @@ def _graph_of(fn: Callable[[], object], n: int, flush) -> tuple[torch.cuda.CUDAG
 
 def _timed_graph(fn: Callable[[], object], n: int, flush, warmup_ms: float,
                  iter_ms: float | None) -> tuple[list[float], int]:
-    """n repetitions of fn as one CUDA graph, [flush, event, fn, event] × n, the events recorded by the
-    graph itself: (the samples in ms, warm-up calls made). The warm-up is a graph of its own, replayed
-    until its replays have taken ``warmup_ms`` of GPU time (none for 0), then the timed graph is replayed
-    once for the samples. The warm-up graph holds as many calls as ``warmup_ms`` needs by the sizing
-    iteration's ``iter_ms``, one spare, or where that is more than half of n the timed graph serves
-    (docs/decisions.md: a whole replay made any warm-up n calls). Its GPU time comes from its own
-    events, so a host slower than the GPU cannot cut it short. ``bench`` calls it after
-    ``_capture(fn)``, which has warmed the process's graph replays (``_warm_graph_replays``).
+    """n repetitions of fn as replays of one CUDA graph, [flush, event, fn, event] × m, the events recorded by
+    the graph itself: (the samples in ms, warm-up calls made). m is at most GRAPH_CHUNK: the graph is replayed
+    ceil(n / GRAPH_CHUNK) times, the samples read after each replay (its events are the next one's), the first n
+    kept (a last replay's spare samples, by position, never by value). The warm-up is a graph of its own, replayed
+    until its replays have taken ``warmup_ms`` of GPU time (none for 0), then the timed graph's replays. The
+    warm-up graph holds as many calls as ``warmup_ms`` needs by the sizing iteration's ``iter_ms``, one spare, or
+    where that is a whole timed graph or more the timed graph serves (docs/decisions.md: a whole replay of 200 made
+    any warm-up 200 calls). Its GPU time comes from its own events, so a host slower than the GPU cannot cut it
+    short. ``bench`` calls it after ``_capture(fn)``, which has warmed the process's graph replays
+    (``_warm_graph_replays``).
 
     With each repetition a replay launched from the host instead, a host that falls behind the GPU
     lands inside the samples: H100, the decode step at B=1, 64k (25 µs of GPU work, 200 samples), a
     ``suite decode`` run's first bench took 78 of its first 104 samples at 39-708 µs. In one graph the
     samples are GPU time alone, and they leave out the graph's launch from the host, which each
     replayed sample held (H100, 200 samples, three rounds: decode step B=1 64k 25.4 vs 25.9-26.1 µs,
-    B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7)."""
+    B=16 100.7-100.8 vs 101.3-101.7; five empty chained launches 7.8 vs 8.7). Between two replays the host
+    syncs and launches the next, outside every sample: each sample still starts after its flush."""
     _side_stream_calls(fn, 1)       # fn ran (graph-replayed) just before: one call to satisfy the capture
-    g, g_start, events = _graph_of(fn, n, flush)
+    replays = math.ceil(n / GRAPH_CHUNK)
+    g, g_start, events = _graph_of(fn, math.ceil(n / replays), flush)
     warmed = 0
     if warmup_ms > 0:
         k = math.ceil(warmup_ms / max(iter_ms or 0.0, 1e-3)) + 1
-        w, w_start, w_events = (g, g_start, events) if 2 * k > n else _graph_of(fn, k, flush)
+        w, w_start, w_events = (g, g_start, events) if k >= len(events) else _graph_of(fn, k, flush)
         w.replay()
         torch.cuda.synchronize()
         whole = w_start.elapsed_time(w_events[-1][1])         # GPU time of one replay
-        replays = max(1, min(math.ceil(warmup_ms / max(whole, 1e-3)), math.ceil(MAX_WARMUP / len(w_events))))
-        for _ in range(replays - 1):
+        more = max(1, min(math.ceil(warmup_ms / max(whole, 1e-3)), math.ceil(MAX_WARMUP / len(w_events))))
+        for _ in range(more - 1):
             w.replay()
-        warmed = replays * len(w_events)
-    g.replay()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events], warmed
+        warmed = more * len(w_events)
+    samples: list[float] = []
+    for _ in range(replays):
+        g.replay()
+        torch.cuda.synchronize()
+        samples += [a.elapsed_time(b) for a, b in events]
+    return samples[:n], warmed
 
 
 # calls queued behind one GPU sleep when ``loop`` measures the host's cost: a decode call queues a few
