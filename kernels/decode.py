@@ -89,7 +89,11 @@ CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window +
 # of shared memory, two programs an SM; B=16 4k 38.2 vs 44.5 with 2), except the shallow ones (``SHALLOW_MIN_TILES``).
 # fp32 tiles with 3 stages outgrow the shared memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
-MAX_TILES = 16                 # tiles one partial program walks at most
+MAX_TILES = 16                 # tiles one window + selection program walks at most
+# and one compressed program: 32, so that a step of 8,192 compressed tiles or more (B=16 at 128k, B=32 at 64k, B=64 at
+# 32k) runs its compressed launch as one wave of 256 programs, two an SM, not two waves of 512: 1-4 µs faster on the
+# H200, every other plan unchanged (docs/decisions.md, session 77)
+CMP_MAX_TILES = 32
 # Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory),
 # at least SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an
 # SM, the launch takes those tiles and 2 stages rather than 3 stages at two programs an SM, where the kernel so
@@ -917,12 +921,12 @@ def _launch_shape(rows: int) -> tuple[int, int]:
     return (4 if rows <= 4 else 2 if rows <= 16 else 1), (8 if rows < 16 else 16)
 
 
-def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm: int) -> int:
-    """Tiles one program walks (a power of two, at most MAX_TILES): as many as keep at least one
+def _tiles_per_chunk(tile_counts: tuple[int, ...], programs_per_chunk: int, n_sm: int, most: int = MAX_TILES) -> int:
+    """Tiles one program walks (a power of two, at most ``most``): as many as keep at least one
     program per SM in the launch (fewer chunks: fewer partials written and merged). Fewer programs than
     SMs, for fewer partials to score and merge at small B, was slower; so were more programs per SM
     (docs/decisions.md)."""
-    t = min(MAX_TILES, triton.next_power_of_2(max(tile_counts)))
+    t = min(most, triton.next_power_of_2(max(tile_counts)))
     while t > 1 and sum(triton.cdiv(n, t) for n in tile_counts) * programs_per_chunk < n_sm:
         t //= 2
     return t
@@ -1000,7 +1004,7 @@ def plan(cfg: NSAConfig, B: int, t_max: int, n_max: int, device, dtype: torch.dt
     BNC = CMP_TILE if CMP_TILE * cfg.cmp_stride % cfg.block_size == 0 else BN1
     n_sm = sm_count(device)
     cmp_t, win_t, sel_t = triton.cdiv(max(n_max, 1), BNC), triton.cdiv(cfg.window, BN), triton.cdiv(cfg.n_selected, bpt)
-    ct = _tiles_per_chunk((cmp_t,), B * G, n_sm)
+    ct = _tiles_per_chunk((cmp_t,), B * G, n_sm, CMP_MAX_TILES)
     c_cmp = triton.cdiv(cmp_t, ct)
     wt = st = _tiles_per_chunk((win_t, sel_t), B * G, n_sm)             # one launch runs both
     tb = BNC * cfg.cmp_stride // cfg.block_size

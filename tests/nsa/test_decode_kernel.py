@@ -535,6 +535,26 @@ def test_three_programs_an_sm_need_the_registers_and_shared_memory_and_no_spill(
     assert decode.fits(regs, spills, shared, 4, 3, 65536, 228 * 1024) is three
 
 
+@pytest.mark.parametrize("B,capacity,tiles,chunks", [
+    pytest.param(B, cap, tiles, chunks, id=f"B{B}-cap{cap}") for B, cap, tiles, chunks in
+    [(16, 262144, 32, 8), (16, 131072, 32, 4), (32, 65536, 32, 2), (64, 65536, 32, 2), (16, 65536, 16, 4),
+     (8, 262144, 32, 8), (1, 131072, 2, 64)]])
+def test_compressed_programs_take_up_to_32_tiles_while_every_sm_keeps_one(B, capacity, tiles, chunks, monkeypatch):
+    """The compressed launch's plan on 132 SMs (an H100/H200; paper config, bf16): tiles a program up to
+    CMP_MAX_TILES (32), halved while its chunks over the capacity's tiles leave an SM without a program (the kernel
+    halves them again at the position, ``_cmp_split``); a step of 8,192 compressed tiles or more then runs them as one
+    wave of 256 programs. The window + selection programs keep MAX_TILES (16)."""
+    from kernels import decode
+    from nsa_validate.bench.decode import layer_config
+    cfg = layer_config(True)
+    monkeypatch.setattr(decode, "_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(decode, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(decode, "_fits_per_sm", lambda p, *a: True)
+    p = decode.plan(cfg, B, capacity, cfg.n_cmp(capacity - 1), "cpu", torch.bfloat16)
+    assert (p.cmp_tiles, p.C_CMP) == (tiles, chunks)
+    assert decode.CMP_MAX_TILES == 32 and p.win_tiles <= decode.MAX_TILES == 16
+
+
 @pytest.mark.parametrize("fit", [True, False], ids=["kernel-fits-three", "kernel-fits-two"])
 def test_shallow_window_selection_launch_only_where_its_kernel_fits_three_an_sm(fit, monkeypatch):
     """On an sm90 GPU at B=16, 64k (paper config, bf16), the plan takes the shallow window + selection launch (4
