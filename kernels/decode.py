@@ -113,13 +113,11 @@ TWO_BLOCK_TILES = (9, 16)
 # [h, NBT] rows as the products by the 0/1 overlap matrix (two tf32 products of p's split, see the kernel), in plain
 # fp32 adds: faster than the products at every B measured, outputs bit-identical (docs/decisions.md)
 SUMS_BY_RESHAPE = True
-# The merge's compressed partials, where more than MERGE_GROUP chunks and B·G above EARLY_TRIGGER_ROWS: loaded and
-# merged MERGE_GROUP chunks at a time, only the groups that hold chunks in use at the position (``_merge_groups``).
-# Loaded all at once, a cache with room to grow costs the merge the capacity's chunks (masked loads): B=16 128k on a
-# 2x cache, 16 chunks of which 8 in use, took 2 us longer to merge than on a full cache; groups of 4 there were slower.
-# With exactly MERGE_GROUP chunks (B=16 64k on a 2x cache: 8, of which 4 in use) it takes them in groups of half as
-# many: the 2x cache's merge then loads what the full cache's does (B=16 64k: ~1 us off the step), and a cache whose
-# chunks are all in use pays a second group (a full 128k cache: up to 3 us; docs/decisions.md, session 68)
+# The merge's compressed partials, where MERGE_GROUP chunks or more and B·G above EARLY_TRIGGER_ROWS: loaded and
+# merged MERGE_GROUP chunks at a time, or half the chunks where they are exactly MERGE_GROUP (``merge_group``), only the
+# groups that hold chunks in use at the position (``_merge_groups``). Loaded all at once, a cache with room to grow
+# costs the merge the capacity's chunks (masked loads): B=16 128k on a 2x cache has 8 chunks of 32 tiles, of which 4
+# in use, taken in groups of 4 (measured with the chunks of 16 tiles then: docs/decisions.md, session 68)
 # Below EARLY_TRIGGER_ROWS the merge loads the compressed partials before its wait, beside the window + selection
 # launch: one load of all, off the step's critical path (docs/decisions.md)
 MERGE_GROUP = 8

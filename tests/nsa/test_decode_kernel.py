@@ -222,7 +222,7 @@ def test_the_top_n_launch_is_left_out_only_at_few_rows_under_the_early_trigger(g
 
 def test_the_merge_groups_compressed_chunks_only_above_the_early_trigger():
     """``merge_group``: all at once at B·G up to EARLY_TRIGGER_ROWS or below MERGE_GROUP chunks; above, groups of half
-    the chunks' power of two, at most MERGE_GROUP (8 chunks, of which a 2x cache at B=16 64k uses 4: groups of 4)."""
+    the chunks' power of two, at most MERGE_GROUP (8 chunks, of which a 2x cache at B=16 128k uses 4: groups of 4)."""
     from kernels.decode import EARLY_TRIGGER_ROWS, MERGE_GROUP, merge_group
     many = EARLY_TRIGGER_ROWS + 1
     assert merge_group(64, EARLY_TRIGGER_ROWS) == 0 and merge_group(MERGE_GROUP - 1, many) == 0
