@@ -90,9 +90,10 @@ CACHE_READS = {"append + compressed partial (+ block sums)": ("cmp",), "window +
 # fp32 tiles with 3 stages outgrow the shared memory (docs/decisions.md)
 PARTIAL_STAGES, PARTIAL_STAGES_SM90, DEEP_TILES = 2, 3, 8
 MAX_TILES = 16                 # tiles one window + selection program walks at most
-# and one compressed program: 32, so that a step of 8,192 compressed tiles or more (B=16 at 128k, B=32 at 64k, B=64 at
-# 32k) runs its compressed launch as one wave of 256 programs, two an SM, not two waves of 512: 1-4 µs faster on the
-# H200, every other plan unchanged (docs/decisions.md, session 77)
+# and one compressed program: 32, where that still leaves every SM a program (``_tiles_per_chunk``), so that a plan has
+# half the compressed programs of 16 tiles: B=16 at 128k, B=32 at 64k and B=64 at 32k run their compressed launch as
+# one wave of 256 programs, two an SM, rather than two waves of 512, 1-4 µs faster on the H200; the plans measured at
+# fewer rows or shorter contexts split as before at run time (docs/decisions.md, session 77)
 CMP_MAX_TILES = 32
 # Shallow window + selection programs: where B·G is above EARLY_TRIGGER_ROWS and, at 2 stages (48 KB of shared memory),
 # at least SHALLOW_MIN_TILES tiles a program give every SM two programs and all of them fit in one wave of three an

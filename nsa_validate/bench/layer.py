@@ -234,45 +234,43 @@ def _sdpa_takes_dv(shape: Shape, device: str) -> bool:
 def _time(fn: Callable[[], object], device: str, budget_ms: float, warmed: bool = False) -> Measured:
     """timing.bench plus host time and peak memory of one call; ``oom`` instead of raising.
 
-    First an untimed call (Triton compiles, SDPA picks its kernel), then one timed call (L2 flush, CUDA
-    events, as every sample) that also measures the host time (the Python call until it returns, before
-    the GPU is done) and the peak memory. ``warmed``: the same kernels have run at this shape in this
-    process (``warm``), so the timed call is the first. A call that takes more than a third of the budget
-    is timed three times, that call the first of them: its host time then includes the allocator's
-    requests after ``warm`` emptied its cache (an upper bound of a warm call's; the dense layer's
-    forward+backward at 64k, 0.47 s a call on an H200, is made three times in all). A quicker one is
-    timed as many times as fit in the budget after a warm-up call, whose host time is the figure where
-    ``warmed`` (a warm call's). The queued timing (the GPU's work alone) is made only where the host
-    could be the limit: a call whose host time is under (HOST_BOUND − 1)/HOST_BOUND of its timed figure
-    (a third) cannot be host-bound, and its ``gpu_ms`` stays None (the dense layer's forward+backward at
-    64k: four calls fewer to wait for)."""
+    First an untimed call (Triton compiles, SDPA picks its kernel), then a call that measures the
+    host time. ``warmed``: the same kernels have run at this shape in this process (``warm``), so
+    the first call measures the host time, and only a call that took less than a third of the budget
+    is made again for it; a slower one keeps that first figure, which includes the allocator's
+    requests after ``warm`` emptied its cache (an upper bound of a warm call's: the dense layer's
+    forward+backward at 64k, 0.47 s a call on an H200, one call fewer). A call that takes more than a
+    third of the budget is timed three times, right after the call that measured its host time (its
+    warm-up); the rest as many times as fit in the budget. The
+    queued timing (the GPU's work alone) is made only where the host could be the limit: a call
+    whose host time is under (HOST_BOUND − 1)/HOST_BOUND of its timed figure (a third) cannot be
+    host-bound, and its ``gpu_ms`` stays None (the dense layer's forward+backward at 64k: 0.47 s a
+    call, four calls fewer to wait for)."""
     if device != "cuda":            # one call: a CPU timing is noise, and the interpreter is slow
         tm = timing.bench(fn, device=device, warmup=0, reps=1)
         return Measured(tm.median_ms, tm.p20_ms, tm.p80_ms, tm.median_ms, None, tm.timer, timing=tm)
     try:
-        hosts: list[float] = []
-
-        def call() -> None:
-            """fn, its host time kept: the Python call until it returns, before any synchronisation."""
+        def host_call() -> tuple[float, float]:
+            """One call: (its host time, its time until the GPU is done), ms."""
             t0 = time.perf_counter()
             fn()
-            hosts.append((time.perf_counter() - t0) * 1e3)
+            host = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            return host, (time.perf_counter() - t0) * 1e3
 
         if not warmed:
             fn()                    # warmup: Triton compiles, SDPA picks its kernel; not timed
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        first = timing.bench(call, device=device, warmup=0, reps=1, telemetry=False)
-        # the bench's L2 flush buffer was allocated before the call and held through it: not the call's memory
-        peak = (torch.cuda.max_memory_allocated() - timing.L2_FLUSH_BYTES) / 2**30
-        if first.median_ms > budget_ms / SLOW_REPS:     # slow: three samples it is, the first one taken
-            rest = timing.bench(call, device=device, warmup=0, reps=SLOW_REPS - 1, telemetry=False)
-            tm = timing.Timing(first.timer, first.samples_ms + rest.samples_ms, 0, True)
-            host = hosts[0]
+        host, whole = host_call()   # its host time and peak memory
+        if warmed and whole <= budget_ms / SLOW_REPS:
+            host, whole = host_call()       # a quick call's host time, from a warm call
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        if whole > budget_ms / SLOW_REPS:     # slow: three samples it is
+            tm = timing.bench(fn, device=device, warmup=0, reps=SLOW_REPS, telemetry=False)
         else:
-            tm = timing.bench(call, device=device, warmup=1, budget_ms=budget_ms, min_reps=SLOW_REPS, max_reps=50,
+            tm = timing.bench(fn, device=device, warmup=1, budget_ms=budget_ms, min_reps=SLOW_REPS, max_reps=50,
                               telemetry=False)
-            host = hosts[1] if warmed else hosts[0]     # warmed: the bench's warm-up, a warm call
         gpu = None
         # timed <= GPU + host, so with host < timed / 3 the GPU's work is over 2/3 of timed: not host-bound
         if host * HOST_BOUND / (HOST_BOUND - 1) >= tm.median_ms:

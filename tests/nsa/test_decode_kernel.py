@@ -542,8 +542,8 @@ def test_three_programs_an_sm_need_the_registers_and_shared_memory_and_no_spill(
 def test_compressed_programs_take_up_to_32_tiles_while_every_sm_keeps_one(B, capacity, tiles, chunks, monkeypatch):
     """The compressed launch's plan on 132 SMs (an H100/H200; paper config, bf16): tiles a program up to
     CMP_MAX_TILES (32), halved while its chunks over the capacity's tiles leave an SM without a program (the kernel
-    halves them again at the position, ``_cmp_split``); a step of 8,192 compressed tiles or more then runs them as one
-    wave of 256 programs. The window + selection programs keep MAX_TILES (16)."""
+    halves them again at the position, ``_cmp_split``): half the programs of 16-tile ones wherever 32 still leave every
+    SM one (B=16 128k on a full cache: one wave of 256). The window + selection programs keep MAX_TILES (16)."""
     from kernels import decode
     from nsa_validate.bench.decode import layer_config
     cfg = layer_config(True)
@@ -553,6 +553,31 @@ def test_compressed_programs_take_up_to_32_tiles_while_every_sm_keeps_one(B, cap
     p = decode.plan(cfg, B, capacity, cfg.n_cmp(capacity - 1), "cpu", torch.bfloat16)
     assert (p.cmp_tiles, p.C_CMP) == (tiles, chunks)
     assert decode.CMP_MAX_TILES == 32 and p.win_tiles <= decode.MAX_TILES == 16
+
+
+def test_compressed_programs_of_32_tiles_give_the_oracles_step(monkeypatch):
+    """A plan whose compressed programs take 32 tiles (CMP_MAX_TILES; made here with compressed tiles of 16 tokens
+    on one SM, so that a small cache gets it): the kernels compiled for it (CMP_TILES 32, five halvings) give the
+    oracle's blocks, outputs and reads, on a full cache and on one with room to grow (a loop of 32 tiles at most,
+    walking the tiles the tokens fill)."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "CMP_TILE", 16)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 1)
+    cfg, t = CFG, 300
+    torch.manual_seed(9)
+    m = NSAAttention(cfg).to(DEV)
+    x = torch.randn(2, t + 1, cfg.d_model, device=DEV)
+    with torch.no_grad():
+        q, k, v = m.project(x)
+        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+        oracle, tiles = None, []
+        for cap in (t + 1, 4 * (t + 1)):
+            cache = DecodeCache(cfg, 2, cap, device=DEV)
+            cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+            step = decode.DecodeStep(cfg, cache)
+            tiles.append(step.plan.cmp_tiles)
+            oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
+    assert tiles[-1] == decode.CMP_MAX_TILES == 32, tiles
 
 
 @pytest.mark.parametrize("fit", [True, False], ids=["kernel-fits-three", "kernel-fits-two"])
