@@ -54,7 +54,7 @@ class Timing:
     l2_flush: bool
     telemetry_before: dict = field(default_factory=dict)
     telemetry_after: dict = field(default_factory=dict)
-    events_in_graph: bool = False    # graph timings: the samples' events recorded inside one graph (``bench``)
+    events_in_graph: bool = False    # graph timings: the samples' events recorded inside the graph (``bench``)
 
     def decile(self, k: int) -> float:
         """The k-th decile (k = 2: p20) of the samples, linear interpolation."""
