@@ -123,18 +123,16 @@ def test_graph_samples_are_gpu_time_even_when_the_host_lags(monkeypatch):
 def test_graph_timing_takes_its_samples_from_replays_of_a_graph_of_at_most_graph_chunk(monkeypatch):
     """n samples past GRAPH_CHUNK come from several replays of one graph of at most GRAPH_CHUNK repetitions
     (its capture costs the host by its nodes), exactly n of them, each the GPU work's time."""
-    from nsa_validate.measure import timing as tmod
-    from nsa_validate.measure.timing import _events_in_graph, _sleep_cycles_per_ms
-    if not _events_in_graph():
+    if not timing._events_in_graph():
         pytest.skip("this torch cannot record CUDA events inside a graph (Event(external=True))")
     sizes = []
-    graph_of = tmod._graph_of
+    graph_of = timing._graph_of
 
     def counted(fn, n, flush):
         sizes.append(n)
         return graph_of(fn, n, flush)
-    monkeypatch.setattr(tmod, "_graph_of", counted)
-    cycles = int(0.1 * _sleep_cycles_per_ms())
+    monkeypatch.setattr(timing, "_graph_of", counted)
+    cycles = int(0.1 * timing._sleep_cycles_per_ms())
     n = 2 * timing.GRAPH_CHUNK + 7
     t = timing.bench(lambda: torch.cuda._sleep(cycles), graph=True, reps=n, telemetry=False)
     assert len(t.samples_ms) == n and sizes and max(sizes) <= timing.GRAPH_CHUNK, (len(t.samples_ms), sizes)

@@ -26,10 +26,10 @@ def layer(request):
     return m, x, dtype
 
 
-def _cache_at(m, x, t, dtype):
-    """Cache holding tokens 0..t of x (NaN past them), and q of token t."""
+def _cache_at(m, x, t, dtype, capacity=None):
+    """Cache of ``capacity`` rows (default: x's length) holding tokens 0..t of x (NaN past them), and q of token t."""
     q, k, v = m.project(x[:, :t + 1])
-    cache = DecodeCache(CFG, x.shape[0], x.shape[1], device=DEV, dtype=dtype)
+    cache = DecodeCache(CFG, x.shape[0], capacity or x.shape[1], device=DEV, dtype=dtype)
     cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
     return q[:, t], cache
 
@@ -563,20 +563,18 @@ def test_compressed_programs_of_32_tiles_give_the_oracles_step(monkeypatch):
     from kernels import decode
     monkeypatch.setattr(decode, "CMP_TILE", 16)
     monkeypatch.setattr(decode, "sm_count", lambda device: 1)
-    cfg, t = CFG, 300
+    t = 300
     torch.manual_seed(9)
-    m = NSAAttention(cfg).to(DEV)
-    x = torch.randn(2, t + 1, cfg.d_model, device=DEV)
+    m = NSAAttention(CFG).to(DEV)
+    x = torch.randn(2, t + 1, CFG.d_model, device=DEV)
+    pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
+    oracle, tiles = None, []
     with torch.no_grad():
-        q, k, v = m.project(x)
-        pos = torch.full((2,), t, dtype=torch.int32, device=DEV)
-        oracle, tiles = None, []
         for cap in (t + 1, 4 * (t + 1)):
-            cache = DecodeCache(cfg, 2, cap, device=DEV)
-            cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
-            step = decode.DecodeStep(cfg, cache)
+            q, cache = _cache_at(m, x, t, torch.float32, cap)
+            step = decode.DecodeStep(CFG, cache)
             tiles.append(step.plan.cmp_tiles)
-            oracle = _against_oracle_row(step(q[:, t], pos=pos), q[:, t], cache, t, torch.float32, oracle)
+            oracle = _against_oracle_row(step(q, pos=pos), q, cache, t, torch.float32, oracle)
     assert tiles[-1] == decode.CMP_MAX_TILES == 32, tiles
 
 
