@@ -292,9 +292,10 @@ def block_types_once() -> bool:
     for values that depend on the shape alone. Here the first ``block_type`` of a shape is built by
     Triton's own ``__init__`` (its checks, its errors) and what it made is kept: a later block type of
     the same dimensions takes the same shape object, numel and name text, and a tensor of it the same
-    constexpr shape; operands whose block types hold the same shape object are returned as they are,
-    which is what Triton's broadcast returns for equal shapes (any other pair goes through Triton's).
-    The shared objects are never changed in place by the interpreter. Where this Triton lacks the pieces
+    constexpr shape; a scalar tensor (a loaded value, a loop index) takes one shared empty shape and numel 1,
+    which Triton's ``__init__`` builds anew for each. Operands whose block types hold the same shape object, and
+    two scalars, are returned as they are, which is what Triton's broadcast returns for them (any other pair
+    goes through Triton's). The shared objects are never changed in place by the interpreter. Where this Triton lacks the pieces
     (``block_type.__init__``, ``tensor.__init__``, ``TritonSemantic.broadcast_impl_value``), nothing is
     changed and False is returned."""
     import builtins
@@ -337,19 +338,31 @@ def block_types_once() -> bool:
         self.shape, self.numel, text, _, _ = hit
         self.name = f"<{text}, {element_ty}>"
 
+    scalars = (core.dtype, core.pointer_type)
+    no_shape = (constexpr(1), shape_tuple([]))     # a scalar tensor's numel and shape
+
     @functools.wraps(tensor_init)
     def tensor_once(self, handle, type):
-        kept = by_shape.get(id(type.shape)) if type.__class__ is bt else None
-        if kept is None:
-            return tensor_init(self, handle, type)
-        self.handle, self.type, self.dtype = handle, type, type.element_ty
-        _, _, _, self.numel, self.shape = kept
+        cls = type.__class__
+        if cls is bt:
+            kept = by_shape.get(id(type.shape))
+            if kept is not None:
+                self.handle, self.type, self.dtype = handle, type, type.element_ty
+                _, _, _, self.numel, self.shape = kept
+                return
+        elif cls in scalars:
+            self.handle, self.type, self.dtype = handle, type, type.scalar
+            self.numel, self.shape = no_shape
+            return
+        tensor_init(self, handle, type)
 
     @functools.wraps(broadcast)
     def broadcast_unless_equal(self, lhs, rhs):
         lt, rt = lhs.type, rhs.type
         if lt.__class__ is bt and rt.__class__ is bt and lt.shape is rt.shape:
             return lhs, rhs
+        if lt.__class__ is not bt and rt.__class__ is not bt and not lt.is_block() and not rt.is_block():
+            return lhs, rhs                 # two scalars: Triton's returns them as they are
         return broadcast(self, lhs, rhs)
     init_once.__nsa_once__ = True
     bt.__init__, tensor.__init__, sem.broadcast_impl_value = init_once, tensor_once, broadcast_unless_equal
@@ -390,6 +403,147 @@ def numpy_dtypes_once() -> bool:
     return True
 
 
+def operand_types_once() -> bool:
+    """Make Triton's interpreter decide a binary operation's operand types once per pair of types.
+
+    Every ``+``, ``*``, comparison and ``tl.where`` of a kernel goes through ``binary_op_type_checking_impl``,
+    which checks pointers, finds the computation type (``computation_type_impl``), builds a constant for a
+    Python number (on triton 3.8 twice: its own type's, then the computation type's), casts and broadcasts. The
+    type decisions depend on the operands' types, which operand is a number, and the call's flags alone, yet
+    were made again at every operation: with the rest of that function, a third of an index-heavy kernel's
+    time under the interpreter (the decode step's parity case at S=128: 10.8 of 28 s). Here they are kept per
+    key; a number becomes one constant of the computation type, with Triton's range checks, and a tensor is
+    cast only where its type differs (Triton's ``cast`` returns it as it is then). Only operands that are
+    Triton tensors or plain ``int``/``float`` take this path; any other call (bools, numpy numbers, two
+    numbers) is Triton's. At a process's first binary operation the path is compared with Triton's own
+    function over every pair of the kernels' operand kinds (``_same_as_triton``: results' types and values,
+    errors' messages; ~0.1 s): where one differs, Triton's is kept for the process, and
+    ``operand_types_once.why`` says why. Where this Triton lacks the pieces (``interpreter_semantic``,
+    ``computation_type_impl``, ``to_tensor_type``, ``check_ptr_type_impl``, ...), nothing is changed and False
+    is returned."""
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    sem = getattr(ti, "interpreter_semantic", None)
+    names = ("binary_op_type_checking_impl", "computation_type_impl", "to_tensor_type", "check_ptr_type_impl",
+             "scalar_constant", "cast", "broadcast_impl_value")
+    if sem is None or not all(hasattr(sem, n) for n in names):
+        return False
+    own = sem.binary_op_type_checking_impl
+    if getattr(own, "__nsa_once__", False):
+        return True
+    tensor = ti.tl.tensor
+    decided: dict[tuple, object] = {}         # key -> the computation type, or None where no cast applies
+    none = object()
+
+    def checked(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        lc, rc = lhs.__class__, rhs.__class__
+        l_num, r_num = lc is int or lc is float, rc is int or rc is float
+        if (l_num and r_num) or not (l_num or lc is tensor) or not (r_num or rc is tensor):
+            return own(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        lt = sem.to_tensor_type(lhs) if l_num else lhs.type.scalar
+        rt = sem.to_tensor_type(rhs) if r_num else rhs.type.scalar
+        key = (lt.name, l_num, rt.name, r_num, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        ret = decided.get(key, none)
+        if ret is none:                      # Triton's checks; an error is raised again at every call
+            sem.check_ptr_type_impl(lt, rt, allow_lhs_ptr)
+            sem.check_ptr_type_impl(rt, lt, allow_rhs_ptr)
+            ret = None
+            if arithmetic_check and not lt.is_ptr() and not rt.is_ptr():
+                ret = sem.computation_type_impl(lt, l_num, rt, r_num, div_or_mod)
+            decided[key] = ret
+        if ret is None:                      # no implicit cast: a number is a constant of its own type
+            lhs = sem.scalar_constant(lhs, lt) if l_num else lhs
+            rhs = sem.scalar_constant(rhs, rt) if r_num else rhs
+        else:
+            lhs = _constant(sem, lhs, ret) if l_num else lhs if lt.name == ret.name else sem.cast(lhs, ret)
+            rhs = _constant(sem, rhs, ret) if r_num else rhs if rt.name == ret.name else sem.cast(rhs, ret)
+        return sem.broadcast_impl_value(lhs, rhs)
+
+    @functools.wraps(own)
+    def first(*args, **kwargs):        # the first binary operation: compare, then keep one path or the other
+        try:
+            why = _same_as_triton(ti, own, checked)
+        except Exception as e:          # the comparison itself failed on this Triton: leave it as it ships
+            why = f"{type(e).__name__}: {e}"
+        sem.binary_op_type_checking_impl = checked if why is None else own
+        operand_types_once.why = why
+        return sem.binary_op_type_checking_impl(*args, **kwargs)
+    checked.__nsa_once__ = first.__nsa_once__ = True
+    checked.__wrapped__ = own
+    operand_types_once.why = "not compared yet: no binary operation has run"
+    sem.binary_op_type_checking_impl = first
+    return True
+
+
+def _constant(sem, value, dtype):
+    """A Python number as a constant of ``dtype``, with Triton's errors for a negative unsigned or out of range."""
+    if value < 0 and dtype.is_int_unsigned():
+        raise ValueError("Cannot perform a binary operation between an unsigned tensor and a negative scalar. "
+                         "Perform a explicit cast on one of them.")
+    if dtype.is_int() and not (dtype.get_int_min_value() <= value <= dtype.get_int_max_value()):
+        raise ValueError(f"Scalar {value} is out of range for type {dtype}")
+    return sem.scalar_constant(value, dtype=dtype)
+
+
+def _operands(ti, blocks: bool) -> list:
+    """Operands of every kind the kernels combine: Python numbers (in and out of int32's range, negative, 0, a
+    float beyond fp16's), and a scalar tensor of each type the kernels use and of pointers; with ``blocks``, a
+    [2, 4] block of each too, and a [1, 4] one to broadcast."""
+    import numpy as np
+    tl = ti.tl
+    types = [tl.int1, tl.int8, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float64,
+             tl.pointer_type(tl.float32), tl.pointer_type(tl.float16)]
+    out: list = [0, 3, -5, 2**31 + 5, 2**40, 0.5, 1e300]
+    for t in types:
+        el = ti._get_np_dtype(t)
+        data = (np.arange(8) * 64 if t.is_ptr() else np.arange(8) % 2 if t == tl.int1 else np.arange(-3, 5)).astype(el)
+        out.append(tl.tensor(ti.TensorHandle(data[5:6], t), t))
+        if blocks:
+            out.append(tl.tensor(ti.TensorHandle(data.reshape(2, 4), t), tl.block_type(t, [2, 4])))
+    if blocks:
+        out.append(tl.tensor(ti.TensorHandle(np.arange(4, dtype=np.int32).reshape(1, 4), tl.int32),
+                             tl.block_type(tl.int32, [1, 4])))
+    return out
+
+
+def _same_as_triton(ti, own, fast, blocks: bool = False) -> str | None:
+    """None when ``fast`` gives what Triton's ``own`` gives (result types, values, and errors) for every pair of
+    ``_operands(ti, blocks)`` but two numbers, under every flag combination the semantic layer passes; else the
+    first difference. Without blocks (~0.1 s, each process that installs the patch): the type decisions do not
+    depend on an operand's shape, and the broadcast is Triton's either way."""
+    import itertools
+    import warnings
+
+    import numpy as np
+    flags = [(False, False, True, False), (True, True, True, False), (False, False, True, True),
+             (True, False, True, False), (False, False, False, False)]
+
+    def run(f, a, b, fl):
+        try:
+            return f(a, b, *fl)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    ops = _operands(ti, blocks)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):     # 1e300 cast to fp16 overflows, in both
+        warnings.simplefilter("ignore")
+        for a, b in itertools.product(ops, ops):
+            if not isinstance(a, ti.tl.tensor) and not isinstance(b, ti.tl.tensor):
+                continue                        # two numbers: Triton's own function, on both paths
+            for fl in flags:
+                want, got = run(own, a, b, fl), run(fast, a, b, fl)
+                if isinstance(want, str) or isinstance(got, str):
+                    same = want == got
+                else:
+                    same = all(str(w.type) == str(g.type) and w.handle.data.dtype == g.handle.data.dtype
+                               and np.array_equal(w.handle.data, g.handle.data, equal_nan=True)
+                               for w, g in zip(want, got))
+                if not same:
+                    return f"{a!r} {b!r} {fl}: {want!r} vs {got!r}"
+    return None
+
+
 def speed_up() -> None:
     """The patches above, where this Triton's interpreter has what they wrap (``kernels/__init__.py``
     installs them before any launch when the kernels run under the interpreter)."""
@@ -398,3 +552,4 @@ def speed_up() -> None:
     no_dead_overflow_checks()
     block_types_once()
     numpy_dtypes_once()
+    operand_types_once()

@@ -212,3 +212,45 @@ def test_numpy_dtypes_looked_up_once_give_triton_s_own():
     types += [tl.core.block_type(t, [8, 4]) for t in types]
     for _ in range(2):
         assert [ti._get_np_dtype(t) for t in types] == [own(t) for t in types]
+
+
+@triton.jit
+def _mixed_ops_kernel(X, I, U, OUT, OUT_I, N: tl.constexpr):
+    """From X [N] fp16, I [N] int32 and U [N] uint32: OUT [N] fp32 = (x * 0.5 + 2) / 3 - (1.5 - x) (fp16 with
+    numbers, a division in fp32) + i (int32 to fp32) * scalar x[0]; OUT_I [N] int64 = (i * 3 - 7) % 5 + u // 2
+    + x[0] < 1 (a comparison's int1) + i (an int64 operand)."""
+    r = tl.arange(0, N)
+    x, i, u = tl.load(X + r), tl.load(I + r), tl.load(U + r)
+    x0 = tl.load(X)
+    tl.store(OUT + r, (x * 0.5 + 2) / 3 - (1.5 - x) + i * x0)
+    tl.store(OUT_I + r, (i * 3 - 7) % 5 + (u // 2).to(tl.int32) + (x0 < 1) + i.to(tl.int64))
+
+
+def test_operand_types_decided_once_match_triton_s_own():
+    """``kernels`` makes the interpreter keep a binary operation's type decisions per pair of types
+    (``operand_types_once``): over numbers, scalar and block tensors of every type the kernels use and pointers,
+    in every pair and under every flag combination, it gives what Triton's own function gives (types, values and
+    errors); a kernel mixing numbers, fp16, int32, uint32 and int64 operands still gives torch's answer."""
+    import kernels  # noqa: F401  (installs it)
+    from kernels import interpreter
+    from triton.runtime import interpreter as ti
+    fast = ti.interpreter_semantic.binary_op_type_checking_impl
+    if not getattr(fast, "__nsa_once__", False):
+        pytest.skip("this Triton's interpreter lacks what the patch wraps: it runs as Triton ships it")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, generator=g).half()
+    i = torch.randint(-50, 50, (16,), generator=g, dtype=torch.int32)
+    u = torch.randint(0, 50, (16,), generator=g, dtype=torch.int32)
+    out, out_i = torch.empty(16), torch.empty(16, dtype=torch.int64)
+    _mixed_ops_kernel[(1,)](x, i, u, out, out_i, N=16)
+    assert interpreter.operand_types_once.why is None, interpreter.operand_types_once.why
+    xf = x.float()
+    # fp16 with Python numbers stays fp16 (the products and sums rounded there), the division is fp32
+    want = ((x * 0.5 + 2).float() / 3 - (1.5 - x).float()) + i.float() * xf[0]
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+    want_i = torch.remainder(i * 3 - 7, 5)
+    want_i = torch.where((i * 3 - 7 < 0) & (want_i != 0), want_i - 5, want_i)     # Triton's % keeps the sign
+    assert torch.equal(out_i, want_i.long() + (u // 2).long() + int(xf[0] < 1) + i.long())
+    own = ti.interpreter_semantic.binary_op_type_checking_impl.__wrapped__
+    assert interpreter._same_as_triton(ti, own, ti.interpreter_semantic.binary_op_type_checking_impl,
+                                       blocks=True) is None
