@@ -444,7 +444,10 @@ def operand_types_once() -> bool:
             return own(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
         lt = sem.to_tensor_type(lhs) if l_num else lhs.type.scalar
         rt = sem.to_tensor_type(rhs) if r_num else rhs.type.scalar
-        key = (lt.name, l_num, rt.name, r_num, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        # a pointer type's name leaves out its address space, which Triton's pointer comparison reads
+        key = ((lt.name, lt.address_space) if lt.is_ptr() else lt.name, l_num,
+               (rt.name, rt.address_space) if rt.is_ptr() else rt.name, r_num,
+               allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
         ret = decided.get(key, none)
         if ret is none:                      # Triton's checks; an error is raised again at every call
             sem.check_ptr_type_impl(lt, rt, allow_lhs_ptr)
@@ -463,6 +466,7 @@ def operand_types_once() -> bool:
 
     @functools.wraps(own)
     def first(*args, **kwargs):        # the first binary operation: compare, then keep one path or the other
+        sem.binary_op_type_checking_impl = own      # (what the comparison itself calls goes to Triton's)
         try:
             why = _same_as_triton(ti, own, checked)
         except Exception as e:          # the comparison itself failed on this Triton: leave it as it ships
@@ -494,7 +498,7 @@ def _operands(ti, blocks: bool) -> list:
     import numpy as np
     tl = ti.tl
     types = [tl.int1, tl.int8, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float64,
-             tl.pointer_type(tl.float32), tl.pointer_type(tl.float16)]
+             tl.pointer_type(tl.float32), tl.pointer_type(tl.float16), tl.pointer_type(tl.float32, address_space=3)]
     out: list = [0, 3, -5, 2**31 + 5, 2**40, 0.5, 1e300]
     for t in types:
         el = ti._get_np_dtype(t)
