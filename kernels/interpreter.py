@@ -361,7 +361,7 @@ def block_types_once() -> bool:
         lt, rt = lhs.type, rhs.type
         if lt.__class__ is bt and rt.__class__ is bt and lt.shape is rt.shape:
             return lhs, rhs
-        if lt.__class__ is not bt and rt.__class__ is not bt and not lt.is_block() and not rt.is_block():
+        if not (lt.is_block() or rt.is_block()):
             return lhs, rhs                 # two scalars: Triton's returns them as they are
         return broadcast(self, lhs, rhs)
     init_once.__nsa_once__ = True
@@ -427,7 +427,7 @@ def operand_types_once() -> bool:
         return False
     sem = getattr(ti, "interpreter_semantic", None)
     names = ("binary_op_type_checking_impl", "computation_type_impl", "to_tensor_type", "check_ptr_type_impl",
-             "scalar_constant", "cast", "broadcast_impl_value")
+             "scalar_constant", "to_tensor", "cast", "broadcast_impl_value")
     if sem is None or not all(hasattr(sem, n) for n in names):
         return False
     own = sem.binary_op_type_checking_impl
@@ -457,8 +457,7 @@ def operand_types_once() -> bool:
                 ret = sem.computation_type_impl(lt, l_num, rt, r_num, div_or_mod)
             decided[key] = ret
         if ret is None:                      # no implicit cast: a number is a constant of its own type
-            lhs = sem.scalar_constant(lhs, lt) if l_num else lhs
-            rhs = sem.scalar_constant(rhs, rt) if r_num else rhs
+            lhs, rhs = sem.to_tensor(lhs), sem.to_tensor(rhs)
         else:
             lhs = _constant(sem, lhs, ret) if l_num else lhs if lt.name == ret.name else sem.cast(lhs, ret)
             rhs = _constant(sem, rhs, ret) if r_num else rhs if rt.name == ret.name else sem.cast(rhs, ret)
