@@ -48,7 +48,10 @@ the tokens held: the compressed launch splits the compressed tokens at position 
 full cache of t + 1 tokens (``_cmp_split``; its programs past them return at once), the scorer scores only
 the blocks up to t's and the top-n ranks only the keys of the scoring programs that reach them, and the
 merge reads only the partials written (the compressed ones in groups, where a plan has many: ``MERGE_GROUP``).
-So a cache allocated with room to grow costs about what a full one does (docs/performance.md).
+So a cache allocated with room to grow costs about what a full one does (docs/performance.md). A caller that knows
+the position (``NSAAttention.decode`` does) plans for fewer tokens still: a step with a ``horizon`` serves the
+positions below it only, and the layer step takes the next power of two above t (``horizon()``), so that a cache
+with room to grow runs a full cache's plan, and changes plan as it fills.
 
 Every program loads only the tokens docs/nsa.md counts (masked loads: a token outside its range is
 never read) and counts them; those counts are the measured reads of the ``counters`` suite.
@@ -163,6 +166,11 @@ ROW_SYNC = True
 # scores launch, one link fewer in a chain of latency-bound launches. Faster at B=1 and 2, slower at B=4 (B·G 16,
 # two-block tiles) on the H200 (docs/decisions.md, session 69)
 TOPN_IN_SELECTION_ROWS = 8
+# A step for a known position is planned for the next power of two of tokens, not for the cache's capacity, down to
+# 1/HORIZON_PARTS of it (``horizon``): on an H200 a 2x cache's capacity plan cost B=16 64k 0.7-1.0 us a step over a
+# full cache's (the scorer's idle programs), while the plans of 8 a cache bound the captures and compiles a
+# generation makes (docs/decisions.md, session 79)
+HORIZON_PARTS = 8
 
 
 @triton.jit
@@ -1289,10 +1297,28 @@ def top_n_of(score, pos, idx, cfg: NSAConfig, *, keep_all: bool = False) -> None
     top_n(cand, pos, idx, cfg, bj, kc)
 
 
+def horizon(cfg: NSAConfig, t: int, max_len: int) -> int:
+    """The tokens a step for position t is planned for (``DecodeStep``'s ``horizon``): the next power of two above t,
+    at least 1/HORIZON_PARTS of the cache's capacity ``max_len`` and one scoring program's blocks (``SCORE_BLOCKS``,
+    below which a row has one scoring program whatever the plan), at most that capacity. Such a step serves every
+    position below it, so that a caller who knows t (``NSAAttention.decode``: the host counts the tokens) runs the
+    plan of a cache of about the tokens held, whatever room the cache has to grow: the scorer's programs, the top-n's
+    keys and the compressed chunks of a full cache (``plan`` rounds the blocks up to a power of two anyway). The
+    positions that map to one horizon form a range that ends at it, and a cache has at most log2(HORIZON_PARTS) + 1
+    of them (each new plan a capture, and on a cold Triton cache its compiles)."""
+    least = max(-(-max_len // HORIZON_PARTS), cfg.block_size * SCORE_BLOCKS)
+    return min(max_len, triton.next_power_of_2(max(t + 1, least)))
+
+
 class DecodeStep:
     """A CUDA-graph-capturable decode step over a preallocated cache ``cache`` (nsa_core.DecodeCache):
     write the new token's k/v at position pos, then ``decode_attention``. Buffers are allocated
     here, once; a call allocates nothing and never syncs with the host.
+
+    ``horizon``: the step serves positions below it (default: the cache's capacity, every position: what a CUDA
+    graph replayed token after token needs); its plan is that of a cache of ``horizon`` tokens (``horizon()``). At a
+    position at or past it the step would miss blocks and compressed chunks: nothing on the device checks, so a
+    caller who gives one must know the position (``kernels.decode_layer.LayerDecodeStep`` does).
 
     call: q [B, H, d_k], k_new [B, G, d_k], v_new [B, G, d_v] (None: already in the cache), pos
     [B] int32 (device), gate [B, H, 3] or None -> StepOut (views into this step's workspace,
@@ -1304,11 +1330,16 @@ class DecodeStep:
     rather than by Python's cyclic collector later, at any allocation: in the middle of a CUDA-graph
     capture, freeing a graph invalidates the capture (``nsa_core.cuda_graph``)."""
 
-    def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES, *, held_by_cache: bool = False) -> None:
+    def __init__(self, cfg: NSAConfig, cache, branches=BRANCHES, *, held_by_cache: bool = False,
+                 horizon: int | None = None) -> None:
         self.cfg, self.branches = cfg, tuple(branches)
         self._cache = weakref.ref(cache) if held_by_cache else lambda: cache
-        B = cache.k.shape[0]
-        self.plan = plan(cfg, B, cache.k.shape[1], cache.k_cmp.shape[1], cache.k.device, cache.k.dtype)
+        B, cap = cache.k.shape[:2]
+        if horizon is not None and not 0 < horizon <= cap:
+            raise ValueError(f"horizon {horizon} outside the cache's capacity 1..{cap}")
+        self.horizon = horizon or cap
+        n_max = cache.k_cmp.shape[1] if self.horizon == cap else max(cfg.n_cmp_total(self.horizon), 1)
+        self.plan = plan(cfg, B, self.horizon, n_max, cache.k.device, cache.k.dtype)
         self.ws = Workspace(self.plan, cache.k.dtype, cache.k.device)
         assert cache.k.stride(2) == cfg.d_k and cache.v.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
 

@@ -28,13 +28,14 @@ host counts: not once the step was recorded into a caller's CUDA graph, ``record
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.common import fp32_compiled, precision
-from kernels.decode import DecodeStep, StepOut
+from kernels.decode import DecodeStep, StepOut, horizon
 from nsa_core import dispatch
 from nsa_core.cuda_graph import capturing
 from nsa_core.module import StepInfo
@@ -340,12 +341,16 @@ def _int64_info(r: StepOut, out: torch.Tensor | None = None) -> torch.Tensor:
 
 class LayerDecodeStep:
     """One NSA layer decode step for module ``m`` over ``cache`` (which holds ``cache.length``
-    tokens, e.g. after a prefill); buffers and plan are made once, here. ``held_by_cache``: kept in
+    tokens, e.g. after a prefill); buffers are made once, here, and the attention step of each plan the
+    cache goes through once, as the position first needs it (``attention``). ``held_by_cache``: kept in
     ``cache.kernel_state``, it holds the cache weakly (``DecodeStep``)."""
 
     def __init__(self, m, cache, *, held_by_cache: bool = False) -> None:
         self.m, cfg = m, m.cfg
-        self.attn = DecodeStep(cfg, cache, held_by_cache=held_by_cache)
+        self._cache = weakref.ref(cache) if held_by_cache else lambda: cache
+        self._held_by_cache = held_by_cache
+        self._steps: dict[int, DecodeStep] = {}  # horizon -> the attention step planned for it
+        self._span = (0, 0, None)                # positions [lo, hi) known to take step (``attention``)
         B, G, l, D = cache.k.shape[0], cfg.n_kv_heads, cfg.cmp_len, cfg.d_model
         dev, dt = cache.k.device, cache.k.dtype
         assert cache.k_cmp.stride(2) == cfg.d_k and cache.v_cmp.stride(2) == cfg.d_v, "cache rows must be contiguous [G, d]"
@@ -388,7 +393,24 @@ class LayerDecodeStep:
 
     @property
     def cache(self):
-        return self.attn.cache
+        return self._cache()
+
+    def attention(self, t: int, whole: bool = False) -> DecodeStep:
+        """The attention step for token t: planned for ``kernels.decode.horizon`` of t, the next power of two of
+        tokens (a cache with room to grow runs the plan of a full one; the plan changes as the cache fills), or with
+        ``whole`` for the cache's capacity, every position (what a CUDA graph replayed token after token needs:
+        ``record``). Each made once; a call within the range of the last one's positions asks nothing else."""
+        lo, hi, step = self._span
+        if lo <= t < hi and not whole:
+            return step
+        c = self.cache
+        h = c.max_len if whole else horizon(self.m.cfg, t, c.max_len)
+        step = self._steps.get(h)
+        if step is None:
+            step = self._steps[h] = DecodeStep(self.m.cfg, c, held_by_cache=self._held_by_cache, horizon=h)
+        if not whole:
+            self._span = (t, h, step)
+        return step
 
     def seek(self, t: int) -> None:
         """Continue at position t: the next step appends token t, as if tokens t.. had not been
@@ -409,17 +431,20 @@ class LayerDecodeStep:
         return length
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor, length: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, length: int | None = None, into: torch.Tensor | None = None, *,
+                 whole: bool = False) -> torch.Tensor:
         """The step, run eagerly, for token t = the cache's length (``length``: that, where read already)
-        -> out [B, 1, D], written into ``into`` where given."""
+        -> out [B, 1, D], written into ``into`` where given. ``whole``: on the attention step planned for every
+        position (``attention``), for a CUDA graph that replays it token after token."""
         held = self.check_room(length)
+        attn = self.attention(held, whole)
         m, c = self.m, self.cache
         B = x.shape[0]
         t = self.next_t
         q, k, v = m.project(x)
         kn, vn = k[:, 0].contiguous(), v[:, 0].contiguous()     # [B, G, d]: the new token, appended by the step
         self._mlps(x[:, 0].contiguous(), kn, vn, t)              # the gate -> self.g; φ -> its compressed slot
-        self.last = self.attn(q[:, 0], kn, vn, pos=t, gate=self.g)
+        self.last = attn(q[:, 0], kn, vn, pos=t, gate=self.g)
         out = self._o_proj(self.last.mixed.reshape(B, 1, -1), into)
         _advance_kernel[(1,)](t, c.pos, c.overflow, B, c.max_len, BB=self.bb)
         c.advanced()
@@ -456,14 +481,19 @@ class LayerDecodeStep:
     def record(self, x: torch.Tensor, length: int | None = None):
         """As ``decode``, into the CUDA graph the caller is capturing: each of its replays decodes
         the next token (the position advances on the device), which the host cannot count, so the
-        cache becomes ``device_owned`` (its length read from the device from then on). The
+        cache becomes ``device_owned`` (its length read from the device from then on), and the
+        attention step recorded is the one planned for the cache's capacity (``attention``). The
         kernels are not noted as run: recording runs nothing, and the caller's replays are not
-        seen here. Nothing is allocated or compiled that an earlier, uncaptured call on this cache
-        did not (``kernels.routes.decode_layer`` asks for one)."""
+        seen here. An earlier, uncaptured call on this cache (``kernels.routes.decode_layer`` asks
+        for one) made the buffers and compiled the kernels of the plan for its position; where that
+        plan was not the capacity's, the capacity's step is made here, as the graph records: its
+        workspace comes from the caller's graph's memory pool (held by the step, it outlives the
+        graph) and its kernels compile and load during the capture, which CUDA's global capture mode
+        allows (H200, torch 2.11, Triton 3.6: ``tests/nsa/test_decode_layer.py``)."""
         held = self.check_room(length)
         self.cache.device_owned = True     # before the step: the host does not count this token (nothing ran)
         with dispatch.diverted():
-            out = self(x, held)
+            out = self(x, held, whole=True)
             info = _int64_info(self.last)
         self.length = held                 # the host's view: recording decoded nothing
         return out, StepInfo.packed(lambda: info, list(self.last.reads))
@@ -471,16 +501,17 @@ class LayerDecodeStep:
     def replay(self, x: torch.Tensor, length: int | None = None):
         """As ``decode``, from a CUDA graph of the step captured at the first call (GPU only; nothing it
         returns has a gradient): one graph launch instead of a dozen kernel launches from Python. Captured
-        again where x's shape or dtype, or where a parameter of the module lives (its ``data_ptr``: a
-        parameter replaced, or moved by ``.to()``), is not what it was captured for."""
+        again where x's shape or dtype, where a parameter of the module lives (its ``data_ptr``: a
+        parameter replaced, or moved by ``.to()``), or the position's plan (``attention``: a cache filling
+        past its horizon) is not what it was captured for."""
         # The host's work per token, which a decode loop that calls the layer from Python waits on: a check of the
-        # key, one allocation (out and the reads and blocks share one buffer), two addresses written into pinned
+        # key (the plan's step included: two comparisons while the position stays in its range), one allocation (out and the reads and blocks share one buffer), two addresses written into pinned
         # memory, the graph's launch. The graph itself copies x in (``_take_kernel``) and its results out
         # (``_give_kernel``): a copy and a clone from the host cost ~27 µs a call on an H200 pod's CPU
         # (docs/decisions.md). x and the output are used on the current stream, after this call returns, as any
         # kernel launched here would use them; the reads and blocks are cut out only when asked for.
         held = self.check_room(length)
-        key = (x.shape, x.dtype, self._param_ptrs())
+        key = (x.shape, x.dtype, self._param_ptrs(), self.attention(held))
         if self._graph is None or self._graph[0] != key:
             self._capture(x, key, held)
         _, graph, _, buf, (out_shape, out_strides, at, info_shape, names), notes = self._graph

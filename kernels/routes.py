@@ -198,11 +198,13 @@ def decode_step(cfg: NSAConfig, q, cache, branches=routing.BRANCHES):
     """q [B, H, d_k] of token t = cache.pos (its k/v already appended to ``cache``) -> ({branch:
     o [B, H, d_v]}, {branch: reads [B, G] int64}, idx [B, G, n] int64 or None) from the Triton
     decode kernels, selection included. The ``DecodeStep`` (plan and workspace) is made once per
-    cache and branch set; what is returned is copied out of its workspace (the next step reuses it)."""
-    key = (routing.TRITON, tuple(branches))
+    cache, branch set and plan (``decode.horizon`` of the position: the tokens held, not the cache's capacity);
+    what is returned is copied out of its workspace (the next step reuses it)."""
+    key = (routing.TRITON, tuple(branches), decode.horizon(cfg, cache.length - 1, cache.max_len))
     step = cache.kernel_state.get(key)
     if step is None:
-        step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches, held_by_cache=True)
+        step = cache.kernel_state[key] = decode.DecodeStep(cfg, cache, branches=branches, held_by_cache=True,
+                                                           horizon=key[2])
     r = step(q, pos=cache.pos)
     routing.note(routing.DECODE, "step", routing.TRITON)
     return (r.out, {br: x.long() for br, x in r.reads.items()},

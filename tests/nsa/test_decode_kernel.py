@@ -230,6 +230,47 @@ def test_the_merge_groups_compressed_chunks_only_above_the_early_trigger():
     assert [merge_group(c, many) for c in (MERGE_GROUP + 1, 2 * MERGE_GROUP, 8 * MERGE_GROUP)] == [MERGE_GROUP] * 3
 
 
+@pytest.mark.parametrize("cap", [7, 24, 600, 2048, 65600, 100_000, 131_072])
+def test_a_position_s_horizon_serves_it_and_ends_its_range(cap):
+    """``horizon`` (the tokens a step for position t is planned for): above t, at most the capacity, one of at most
+    log2(HORIZON_PARTS) + 1 values a cache, each the end of the range of positions that map to it; at a power of two
+    of tokens in a cache of twice that, the tokens held (the bench's caches run a full cache's plan)."""
+    from kernels.decode import HORIZON_PARTS, horizon
+    hs = [horizon(CFG, t, cap) for t in range(cap)]
+    assert all(t < h <= cap for t, h in enumerate(hs))
+    assert len(set(hs)) <= HORIZON_PARTS.bit_length()
+    assert all(h == hs[t + 1] or h == t + 1 for t, h in enumerate(hs[:-1]))      # a range ends at its horizon
+    assert hs == sorted(hs)
+    if cap % 2 == 0 and cap & (cap - 1) == 0 and cap >= 2 * CFG.block_size * 64:
+        assert horizon(CFG, cap // 2 - 1, cap) == cap // 2
+
+
+@pytest.mark.parametrize("t", [127, 128])
+def test_a_step_planned_for_its_horizon_gives_the_oracles_step(t, monkeypatch):
+    """A step planned for fewer tokens than its cache holds rows (``DecodeStep``'s ``horizon``, as
+    ``NSAAttention.decode`` makes it) gives the oracle's step at the last position it serves (t = 127 of a horizon
+    of 128) and at the first of the next (t = 128: 256), with fewer blocks in its plan than the capacity's: scoring
+    programs of 8 blocks, compressed tiles of 16 tokens, so that a capacity of 512 has several of each."""
+    from kernels import decode
+    monkeypatch.setattr(decode, "CMP_TILE", 16)
+    monkeypatch.setattr(decode, "SCORE_BLOCKS", 8)
+    cap = 512
+    assert decode.horizon(CFG, t, cap) == (128 if t == 127 else 256)
+    torch.manual_seed(9)
+    m = NSAAttention(CFG).to(DEV)
+    x = torch.randn(2, t + 1, CFG.d_model, device=DEV)
+    with torch.no_grad():
+        q, k, v = m.project(x)
+        cache = DecodeCache(CFG, 2, cap, device=DEV)
+        cache.write_prefill(k, v, m.cmp_k(k), m.cmp_v(v))
+        step = decode.DecodeStep(CFG, cache, horizon=decode.horizon(CFG, t, cap))
+        assert step.plan.nbp < decode.DecodeStep(CFG, cache).plan.nbp
+        _against_oracle_row(step(q[:, t], pos=torch.full((2,), t, dtype=torch.int32, device=DEV)), q[:, t], cache, t,
+                            torch.float32)
+    with pytest.raises(ValueError, match="horizon 513 outside"):
+        decode.DecodeStep(CFG, cache, horizon=cap + 1)
+
+
 @pytest.mark.parametrize("merge", ["merge-at-once", "early-trigger", "merge-in-groups"])
 @pytest.mark.parametrize("t", [5, 47, 150, 300])
 def test_a_cache_with_room_to_grow_gives_the_full_caches_step(t, merge, monkeypatch):

@@ -85,6 +85,50 @@ def test_layer_step_equals_module_decode(prefill, phi):
         assert torch.isnan(cache.k_cmp[:, n:]).all(), "a compressed slot past the spans was written"
 
 
+def test_layer_step_plans_for_the_tokens_held_and_records_for_the_capacity():
+    """On a cache with room to grow, ``m.decode`` runs the attention step planned for the next power of two of
+    tokens (``kernels.decode.horizon``), not for the capacity, and takes the next plan as the position passes it
+    (here from 512 to 1024 tokens of 1100): outputs, blocks and reads equal the torch route's on both sides. On a
+    GPU a caller's CUDA graph then records the step planned for the capacity (made, and its kernels compiled,
+    while the graph records) and its replays decode the following tokens as the torch route does."""
+    CFG = CFGS["mlp"]
+    why = routes.triton_unavailable(cfg=CFG, device=DEV, dtype=torch.float32)
+    if why:
+        pytest.skip(f"Triton decode kernel cannot run here: {why}")
+    from kernels import decode
+    m, ref = _twins(CFG, 9)
+    cap, start, steps = 1100, 509, 5
+    assert [decode.horizon(CFG, t, cap) for t in (start, 511, 512)] == [512, 512, 1024]
+    replays = 3 if DEV == "cuda" else 0
+    x = torch.randn(2, start + steps + replays, CFG.d_model, device=DEV)
+    cache, ref_cache = (DecodeCache(CFG, 2, cap, device=DEV) for _ in range(2))
+
+    def check(got, info, t):
+        want, winfo = ref.decode(x[:, t:t + 1], ref_cache)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"t={t}")
+        assert torch.equal(info.idx, winfo.idx), f"t={t}: selected blocks differ"
+        assert all(torch.equal(info.reads[br], winfo.reads[br]) for br in winfo.reads), f"t={t}: reads differ"
+
+    with torch.no_grad():
+        for mod, c in ((m, cache), (ref, ref_cache)):
+            mod(x[:, :start], cache=c)
+        for t in range(start, start + steps):
+            check(*m.decode(x[:, t:t + 1], cache), t)
+        step = cache.kernel_state[(routing.TRITON, "layer")][1]
+        assert sorted(step._steps) == [512, 1024], f"plans made: {sorted(step._steps)}"
+        assert step.attention(start).plan.nbp < step.attention(start, whole=True).plan.nbp
+        if not replays:
+            return
+        graph, static = torch.cuda.CUDAGraph(), x[:, start + steps:start + steps + 1].clone()
+        with capturing(graph):
+            out, info = m.decode(static, cache)
+        assert cap in step._steps, "the caller's graph did not record the step planned for the capacity"
+        for t in range(start + steps, start + steps + replays):
+            static.copy_(x[:, t:t + 1])
+            graph.replay()
+            check(out, info, t)
+
+
 def test_back_to_back_decodes_queued_past_the_ring_keep_every_output():
     """``NSAAttention.decode`` replays hand x and a fresh output to the graph through a ring of pinned
     addresses (``kernels.decode_layer.RING``). Calls queued behind a sleeping GPU, more than the ring
