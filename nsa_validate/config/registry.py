@@ -156,6 +156,9 @@ class DecodeCfg:
     capacity: str = "2x"
     # the step on the cache with room to grow may be this much slower than on the full one, at most
     headroom_margin: float = 0.05
+    # the parity cases also check the step planned for the cache's whole capacity (a caller's CUDA graph's) where
+    # NSAAttention.decode's own plan is smaller; at the bench's batch sizes, whose bench compiles it, always
+    capacity_parity: bool = True
     # the decode loop users write: NSAAttention.decode called token after token, this many tokens a loop
     loop_tokens: int = 256
 
