@@ -505,11 +505,12 @@ class LayerDecodeStep:
         parameter replaced, or moved by ``.to()``), or the position's plan (``attention``: a cache filling
         past its horizon) is not what it was captured for."""
         # The host's work per token, which a decode loop that calls the layer from Python waits on: a check of the
-        # key (the plan's step included: two comparisons while the position stays in its range), one allocation (out and the reads and blocks share one buffer), two addresses written into pinned
-        # memory, the graph's launch. The graph itself copies x in (``_take_kernel``) and its results out
-        # (``_give_kernel``): a copy and a clone from the host cost ~27 µs a call on an H200 pod's CPU
-        # (docs/decisions.md). x and the output are used on the current stream, after this call returns, as any
-        # kernel launched here would use them; the reads and blocks are cut out only when asked for.
+        # key (the plan's step included: two comparisons while the position stays in its range), one allocation (out
+        # and the reads and blocks share one buffer), two addresses written into pinned memory, the graph's launch.
+        # The graph itself copies x in (``_take_kernel``) and its results out (``_give_kernel``): a copy and a clone
+        # from the host cost ~27 µs a call on an H200 pod's CPU (docs/decisions.md). x and the output are used on the
+        # current stream, after this call returns, as any kernel launched here would use them; the reads and blocks
+        # are cut out only when asked for.
         held = self.check_room(length)
         key = (x.shape, x.dtype, self._param_ptrs(), self.attention(held))
         if self._graph is None or self._graph[0] != key:

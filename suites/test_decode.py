@@ -397,7 +397,8 @@ def test_bench(B, S, record, bench_setup):
     kv = lambda n, dv=LAYER.d_v: roofline.bytes_read(n, LAYER.d_k, dv, DTYPE.itemsize, LAYER.n_kv_heads, B)  # noqa: E731
     nbytes = kv(tokens)
     weights = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
-    least = {"eager": nbytes, "graph": nbytes, "full": nbytes, "whole": nbytes, "layer": nbytes + weights(m), "floor": 0,
+    least = {"eager": nbytes, "graph": nbytes, "full": nbytes, "whole": nbytes, "layer": nbytes + weights(m),
+             "floor": 0,
              **{f"graph_ws{i}": nbytes for i in range(1, len(bench_setup.placed) + 1)},
              **{br: kv(want[br]) for br in ("cmp", "sel", "win")},
              **{f"dense_{k}": kv(S, LAYER.d_k if k.endswith("_padded") else LAYER.d_v) for k in dense},
