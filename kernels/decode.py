@@ -168,8 +168,8 @@ ROW_SYNC = True
 TOPN_IN_SELECTION_ROWS = 8
 # A step for a known position is planned for the next power of two of tokens, not for the cache's capacity, down to
 # 1/HORIZON_PARTS of it (``horizon``): on an H200 a 2x cache's capacity plan cost B=16 64k 0.7-1.0 us a step over a
-# full cache's (the scorer's idle programs), while the plans of 8 a cache bound the captures and compiles a
-# generation makes (docs/decisions.md, session 79)
+# full cache's (the scorer's idle programs); the floor bounds a cache's plans, each a capture and on a cold Triton
+# cache its compiles, to log2(HORIZON_PARTS) + 1 = 4 (docs/decisions.md, session 79)
 HORIZON_PARTS = 8
 
 

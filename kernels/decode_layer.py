@@ -432,11 +432,16 @@ class LayerDecodeStep:
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, length: int | None = None, into: torch.Tensor | None = None, *,
-                 whole: bool = False) -> torch.Tensor:
+                 whole: bool | None = None) -> torch.Tensor:
         """The step, run eagerly, for token t = the cache's length (``length``: that, where read already)
         -> out [B, 1, D], written into ``into`` where given. ``whole``: on the attention step planned for every
-        position (``attention``), for a CUDA graph that replays it token after token."""
+        position (``attention``); by default where a CUDA graph is being captured (its replays go on token after
+        token, past any smaller plan's horizon), else on the plan for t. False under a capture: the caller replays
+        the graph only at positions below that plan's horizon (``replay``'s own graph, captured again as the
+        position passes it; the decode bench, whose captured work seeks back to t before each step)."""
         held = self.check_room(length)
+        if whole is None:
+            whole = x.is_cuda and torch.cuda.is_current_stream_capturing()
         attn = self.attention(held, whole)
         m, c = self.m, self.cache
         B = x.shape[0]
@@ -488,8 +493,9 @@ class LayerDecodeStep:
         for one) made the buffers and compiled the kernels of the plan for its position; where that
         plan was not the capacity's, the capacity's step is made here, as the graph records: its
         workspace comes from the caller's graph's memory pool (held by the step, it outlives the
-        graph) and its kernels compile and load during the capture, which CUDA's global capture mode
-        allows (H200, torch 2.11, Triton 3.6: ``tests/nsa/test_decode_layer.py``)."""
+        graph; its zero fills are recorded into the graph too, and run again at each replay, which is harmless)
+        and its kernels compile and load during the capture, which CUDA's global capture mode allows
+        (H200, torch 2.11, Triton 3.6: ``tests/nsa/test_decode_layer.py``)."""
         held = self.check_room(length)
         self.cache.device_owned = True     # before the step: the host does not count this token (nothing ran)
         with dispatch.diverted():
@@ -598,7 +604,7 @@ class LayerDecodeStep:
         # whichever GPU was current at the process's first capture)
         with dispatch.diverted() as notes, capturing(graph, stream=side):
             take()
-            self(x_in, t, into=out_view)
+            self(x_in, t, into=out_view, whole=False)     # replayed below the plan's horizon only (the key)
             _int64_info(self.last, out=buf[at:].view(torch.int64).view(info_shape))
             give()
         self.seek(t)                       # the capture ran the host's bookkeeping once, and no kernel

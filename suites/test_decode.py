@@ -34,7 +34,9 @@ the headline figures.
 
 The bench also times the step on a full cache of the same tokens (capacity = S) and the step planned for the
 cache's whole capacity (what a caller's CUDA graph records), and fails where either on the cache with room to
-grow is more than ``headroom_margin`` slower than the full cache's; and the loop users write,
+grow is more than ``headroom_margin`` slower than the full cache's (at a power-of-two context on a 2x cache
+``m.decode``'s step has the full cache's plan: there the capacity's plan is the one the margin tests); and the loop
+users write,
 ``NSAAttention.decode`` token after token (``loop_tokens`` of them from position S−1: wall clock,
 CUDA events, the host's own cost per call, ``decode_bench.decode_loop``), beside the graph-replayed
 layer step, labelled host-bound where it takes more than 1.5x that step's GPU time.
@@ -381,7 +383,8 @@ def test_bench(B, S, record, bench_setup):
                 placed.append(t[f"graph_ws{i}"].median_ms)
         for br, alone in bench_setup.alone.items():
             t[br] = _time(lambda: alone(**new), graph=True)
-        t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x)), graph=True, telemetry=True)
+        # (whole=False: m.decode's plan at S−1, which the captured work's seek keeps every replay at)
+        t["layer"] = _time(lambda: (layer.seek(S - 1), layer(x, whole=False)), graph=True, telemetry=True)
         if GPU:             # as many launches doing nothing, chained as the step's: a floor under it
             t["floor"] = _time(_require().launch_floor(DEV, B * LAYER.n_kv_heads), graph=True)
         for name, dd in dense.items():

@@ -154,7 +154,10 @@ def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3, warmed=No
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for ``loop_rows`` more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. ``warmed``: called
-    after the first warm-up call (``timing.loop``). -> timing.LoopTiming."""
+    after the first warm-up call (``timing.loop``). Where t is a power of two less one in a cache of twice
+    that (the bench's), the second call is the first of the next plan (``kernels.decode.horizon``): it sets
+    that plan up (its kernels, compiled or loaded, and its graph) after ``warmed``, still in the warm-up, and
+    the timed calls run that plan, not the one of the layer step the bench times at t. -> timing.LoopTiming."""
     from nsa_validate.measure import timing
     B, D = cache.k.shape[0], m.cfg.d_model
     n = loop_rows(calls, device, warmup)

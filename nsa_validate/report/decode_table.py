@@ -17,7 +17,8 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
     "capacity": "rows the bench's cache is allocated for (suites.decode.capacity × S): room to grow, as a "
                 "generation loop allocates it; every step figure but step_full_ms is on this cache",
     "plan_tokens": "tokens the step is planned for (kernels.decode.horizon: the next power of two above t, at "
-                   "least capacity / 8): NSAAttention.decode's step at this position",
+                   "least capacity / 8 and one scoring program's blocks, at most the capacity): NSAAttention.decode's "
+                   "step at this position",
     "timer": "cuda_graph (replays of a captured step), cuda_events (eager) or cpu (perf_counter: noise)",
     "step_ms": "median time of the whole NSA step (graph replay where a GPU is present), planned for plan_tokens",
     "step_full_ms": "the same step on the same tokens in a full cache (capacity = S), timed the same way",
