@@ -150,6 +150,15 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, start: int = 0) -> torch.Tensor:
     return idx
 
 
+def _rows(x: torch.Tensor, b: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x[b, t, g] for x [B, S, G, d] and index tensors broadcasting to one shape -> [*shape, d]."""
+    if not x.is_contiguous():
+        return x[b, t, g]
+    S, G = x.shape[1], x.shape[2]
+    flat = (b * S + t) * G + g
+    return x.view(-1, x.shape[3]).index_select(0, flat.reshape(-1)).view(*flat.shape, x.shape[3])
+
+
 def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = routing.PREFILL,
                   want_used: bool = False):
     """Selected-block attention by gathering the selected tokens (<= t) of each row."""
@@ -172,11 +181,12 @@ def sel_attention(q, k, v, idx, cfg: NSAConfig, start: int = 0, phase: str = rou
         pair = G * K * (cfg.d_k + cfg.d_v) * k.element_size() + H * K * 8     # gathered k, v; scores, probs
         for b0, b1, q0, q1 in _pieces(B, c1 - c0, pair, _budget(q.device)):
             nb, nq = b1 - b0, q1 - q0
-            # rows k[b, t, g] (d contiguous values each) by advanced indexing: a gather along dim 1 of the
-            # transposed cache walked it element by element, ~1.6x slower on a CPU (B=65, paper heads)
+            # rows k[b, t, g] (d contiguous values each): a gather along dim 1 of the transposed cache walked it
+            # element by element, ~1.6x slower on a CPU (B=65, paper heads); advanced indexing another ~1.6x
+            # slower than index_select on the rows' flat index, where the cache is contiguous (docs/decisions.md)
             flat = tok[b0:b1, :, q0:q1].reshape(nb, G, nq * K)
-            kg = k[b_i[b0:b1], flat, g_i].view(nb, G, nq, K, cfg.d_k)
-            vg = v[b_i[b0:b1], flat, g_i].view(nb, G, nq, K, cfg.d_v)
+            kg = _rows(k, b_i[b0:b1], flat, g_i).view(nb, G, nq, K, cfg.d_k)
+            vg = _rows(v, b_i[b0:b1], flat, g_i).view(nb, G, nq, K, cfg.d_v)
             s = torch.einsum("bqghd,bgqkd->bqghk", _grouped(q[b0:b1, c0 + q0:c0 + q1], cfg), kg) * cfg.scale
             p = _softmax_rows(s, valid[b0:b1, q0:q1, :, None, :])
             o = torch.einsum("bqghk,bgqkd->bqghd", p.to(vg.dtype), vg)

@@ -65,3 +65,17 @@ def test_pieces_of_a_chunk_match_the_oracle(monkeypatch, pairs):
             out, _ = m.decode(x[:, t:t + 1], cache)
             err = (out[:, 0] - ref["out"][:, t]).abs().max().item()
             assert err < 1e-4, f"decode row {t}: max-abs {err:.2e} vs the oracle"
+
+
+def test_selected_rows_of_a_strided_cache_equal_a_contiguous_ones():
+    """``sel_attention`` copies the selected rows by ``index_select`` on a contiguous cache and by indexing on any
+    other (a view into a wider tensor here): the same rows, so the same output, bit for bit."""
+    torch.manual_seed(3)
+    m = NSAAttention(CFG)
+    x = torch.randn(2, 70, CFG.d_model)
+    with torch.no_grad():
+        q, k, v = m.project(x)
+        idx = m.select(x)
+        wide = lambda t: torch.cat([t, torch.full_like(t, float("nan"))], -1)[..., :t.shape[-1]]  # noqa: E731
+        assert k.is_contiguous() and not wide(k).is_contiguous()
+        assert torch.equal(tb.sel_attention(q, k, v, idx, CFG), tb.sel_attention(q, wide(k), wide(v), idx, CFG))
