@@ -1310,6 +1310,12 @@ def horizon(cfg: NSAConfig, t: int, max_len: int) -> int:
     return min(max_len, triton.next_power_of_2(max(t + 1, least)))
 
 
+def step_at(cfg: NSAConfig, cache, t: int, **kw) -> "DecodeStep":
+    """The ``DecodeStep`` ``NSAAttention.decode`` runs for position t of ``cache``: planned for ``horizon`` of t (the
+    benches, probes and parity cases time and check that step; ``kw``: ``DecodeStep``'s)."""
+    return DecodeStep(cfg, cache, horizon=horizon(cfg, t, cache.max_len), **kw)
+
+
 class DecodeStep:
     """A CUDA-graph-capturable decode step over a preallocated cache ``cache`` (nsa_core.DecodeCache):
     write the new token's k/v at position pos, then ``decode_attention``. Buffers are allocated

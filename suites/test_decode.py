@@ -110,7 +110,7 @@ def test_parity(B, S, dt, record):
     # NSAAttention.decode's step at t, planned for the tokens held (``decode.horizon``), and where that is not the
     # capacity, the step planned for every position (a caller's CUDA graph's), on the same oracle: at every parity
     # case where the profile asks (``capacity_parity``), else at the bench's batch sizes (the bench compiles it)
-    step = decode.DecodeStep(LAYER, cache, horizon=decode.horizon(LAYER, t, cache.max_len))
+    step = decode.step_at(LAYER, cache, t)
     record.metrics["capacity"], record.metrics["plan_tokens"] = cache.max_len, step.horizon
     record.metrics["blocks_per_tile"] = step.plan.bpt
     record.metrics["pdl_mode"] = step.plan.gdc          # 0 none, 2 early trigger, 3 late (kernels.decode._gdc)
@@ -322,16 +322,15 @@ def bench_setup(B, S):
         cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
         full, _ = _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=S)       # the same tokens, no room to grow
         m = decode_bench.nsa_layer(LAYER, DTYPE, DEV, seed=B)
-        # the step NSAAttention.decode runs at position S−1: planned for the tokens held (``decode.horizon``)
-        hz = decode.horizon(LAYER, S - 1, cache.max_len)
-        s = SimpleNamespace(cache=cache, new=new, step=decode.DecodeStep(LAYER, cache, horizon=hz), m=m,
+        # the step NSAAttention.decode runs at position S−1, planned for the tokens held (``decode.step_at``)
+        s = SimpleNamespace(cache=cache, new=new, step=decode.step_at(LAYER, cache, S - 1), m=m,
                             full_step=decode.DecodeStep(LAYER, full), whole_step=decode.DecodeStep(LAYER, cache),
-                            alone={br: decode.DecodeStep(LAYER, cache, branches=(br,), horizon=hz)
+                            alone={br: decode.step_at(LAYER, cache, S - 1, branches=(br,))
                                    for br in ("cmp", "sel", "win")},
                             layer=LayerDecodeStep(m, cache), x=torch.randn(B, 1, LAYER.d_model, device=DEV).to(DTYPE),
                             dense=decode_bench.dense_decodes(LAYER, full, DTYPE, DEV, flash_attn=fa2.unavailable(
                                 "flash_attn", device=DEV, dtype=DTYPE) is None),
-                            placed=[decode.DecodeStep(LAYER, cache, horizon=hz) for _ in range(CFG.workspaces - 1)]
+                            placed=[decode.step_at(LAYER, cache, S - 1) for _ in range(CFG.workspaces - 1)]
                             if GPU else [],
                             loop=loop)
         with torch.no_grad():
@@ -531,7 +530,7 @@ def test_dram_reads(record, extra):
     B, S = max(CFG.batches), max(CFG.contexts)
     cache, new = _cache(B, S, seed=decode_bench.probe_seed(B, S))
     with torch.no_grad(), record.capture() as log:
-        r = decode.DecodeStep(LAYER, cache, horizon=decode.horizon(LAYER, S - 1, cache.max_len))(**new)  # m.decode's
+        r = decode.step_at(LAYER, cache, S - 1)(**new)
     for br in ("cmp", "sel", "win"):
         record.expect_ran(log, "decode", br, "triton")
     del cache

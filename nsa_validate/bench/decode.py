@@ -311,7 +311,7 @@ def main(argv=None) -> None:
     from kernels import decode
     cache, new = make_inputs(cfg, a.batch, a.context, DTYPES[a.dtype], a.device, probe_seed(a.batch, a.context),
                              capacity=a.capacity)
-    step = decode.DecodeStep(cfg, cache, horizon=decode.horizon(cfg, a.context - 1, cache.max_len))   # m.decode's
+    step = decode.step_at(cfg, cache, a.context - 1)
     with torch.no_grad():
         step(**new)                       # compiles the kernels outside the profiled region
         torch.cuda.synchronize()
