@@ -209,10 +209,13 @@ def _execute(req: RunRequest, named: profiles.Profile | None, root: Path, listen
         bad = manifest["gpu_share_overlaps"] = gpu_share.collect(run_dir)
         if bad:
             listener.shared_gpu_overlaps(bad)
-        held = gpu_share.alone(run_dir)          # the timed cases, each alone on its GPU: a run's last stretch
+        held = gpu_share.alone(run_dir)          # the timed cases, each alone on its GPU
         if held:
             manifest["gpu_alone_s"] = held
             manifest["phases_s"]["alone"] = round(sum(held.values()), 2)
+        if warming is not None and warming.last_end is not None:
+            # timed while the warming processes compiled (on the CPU, below the suites' priority): said
+            manifest["prewarm"]["timed_beside_s"] = gpu_share.alone(run_dir, until=warming.last_end)
     for name in names:
         if name not in results and status != "env-broken":
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
@@ -299,7 +302,8 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
         work(*jobs[0])
         return []
     # sharing: hold each GPU's lock until all its suite processes have started (gpu_share)
-    starting = {lock: gpu_share.acquire(lock, exclusive=False) for lock in dict.fromkeys(j[2] for j in jobs if j[2])}
+    starting = {lock: gpu_share.acquire(lock, exclusive=False, queued=False)
+                for lock in dict.fromkeys(j[2] for j in jobs if j[2])}
     threads = [threading.Thread(target=work, args=j, daemon=True) for j in jobs]
     for th in threads:
         th.start()

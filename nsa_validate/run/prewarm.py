@@ -76,6 +76,7 @@ def may_warm(req_select: str | None, level: str) -> bool:
 
 
 SCRATCH = "nsa-validate-warm-"          # the scratch folders' prefix, then the run's pid
+NICE = 10                               # the warming processes' niceness, added to the run's
 
 
 def _sweep() -> None:
@@ -105,6 +106,7 @@ class Prewarm:
         self.t0: float | None = None       # ``go``'s moment: the warming processes stamp their lines on this clock
         self.made = time.monotonic()       # the run's start, near enough: ``imported_s`` counts from it
         self.ended: float | None = None
+        self.last_end: float | None = None     # when the last compile ended (``summary``), on the monotonic clock
         _sweep()
         self.scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-"))
         self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
@@ -198,6 +200,7 @@ class Prewarm:
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
         wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
+        self.last_end = self.t0 + wall
         imported = _stamp(self.work / "imported")
         self.close()
         return {"list": shown(self.kernels), "kernels": self.n, "processes": len(files),
@@ -269,6 +272,10 @@ def _serve(work: str, locks: str, logs: str) -> None:
     use: the children start it themselves, at their first compile; were it started, this process warms
     alone."""
     import importlib
+    # below the suites' CPU priority (the forked ones inherit it): a timed case that takes the GPU while
+    # these still compile (``gpu_share``'s turnstile) finds its core free; they take what the suites leave
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for module in ("torch", "triton"):

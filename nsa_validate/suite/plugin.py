@@ -311,9 +311,10 @@ _STARTED = [0.0]                   # when the running case started (setup includ
 def pytest_collection_modifyitems(session, config, items) -> None:
     """A suite run as several processes beside other suites on its GPU takes its exclusive cases first
     (their order among themselves kept): their setups (a bench's inputs, compiles, its user loop's
-    process) then run while the other processes take the parity cases, instead of after them, when
-    the exclusive bodies would wait on them (H200, six warm quick runs: the decode bench's setup, 2.6-3.8
-    s, began after its process's parity cases and ended 0.1-1.0 s after every other parity case)."""
+    process) then run while the other processes take the parity cases, and their bodies take the GPU
+    as soon as the setups are done (``gpu_share``'s turnstile), instead of after every parity case
+    (H200, six warm quick runs: the decode bench's setup, 2.6-3.8 s, began after its process's parity
+    cases and ended 0.1-1.0 s after every other parity case)."""
     ctx = context.current()
     if ctx.gpu_lock and ctx.workers > 1:
         items.sort(key=lambda it: not _exclusive(it) or _skipped(it))

@@ -33,6 +33,35 @@ def test_shared_holders_overlap_and_an_exclusive_one_waits_for_them(tmp_path):
         "the exclusive holder ran while a shared one still held the GPU"
 
 
+def test_a_waiting_exclusive_holder_goes_before_shared_ones_that_come_after_it(tmp_path):
+    """The turnstile: a parity case that asks while a timed case waits goes after the timed case,
+    not on and on before it; a start-up hold (not queued) still gets in, as a waiting timed case needs."""
+    lock, events = str(tmp_path / "gpu0.lock"), []
+
+    def holder(name, exclusive, hold_s, queued=True):
+        fd = gpu_share.acquire(lock, exclusive, queued=queued)
+        events.append(("in", name, time.monotonic()))
+        time.sleep(hold_s)
+        events.append(("out", name, time.monotonic()))
+        gpu_share.release(fd)
+
+    a = threading.Thread(target=holder, args=("parity-a", False, 0.6))
+    a.start()
+    time.sleep(0.15)                                  # parity-a holds it
+    c = threading.Thread(target=holder, args=("bench", True, 0.3))
+    c.start()
+    time.sleep(0.15)                                  # the bench waits for parity-a
+    b = threading.Thread(target=holder, args=("parity-b", False, 0.1))
+    s = threading.Thread(target=holder, args=("start-up", False, 0.05, False))
+    b.start(), s.start()
+    for t in (a, b, c, s):
+        t.join(10)
+    at = {(kind, name): ts for kind, name, ts in events}
+    assert at[("in", "start-up")] < at[("out", "parity-a")], "a start-up hold waited at the turnstile"
+    assert at[("in", "bench")] >= max(at[("out", "parity-a")], at[("out", "start-up")]), "overlap"
+    assert at[("in", "parity-b")] >= at[("out", "bench")], "a parity case that came later went before the bench"
+
+
 def test_share_gpu_runs_the_suites_at_once(tmp_path):
     prof = _small_profile(tmp_path)
     p = yaml.safe_load(prof.read_text())
@@ -74,6 +103,9 @@ def test_a_hold_log_line_cut_short_is_skipped(tmp_path):
                    + '{"pid": 3, "exclusive": fal')
     assert gpu_share.overlaps(str(log)) == []
     assert gpu_share.alone(tmp_path) == {"a::bench": 1.5}
+    # the seconds before a moment (the warming processes' last compile), only for cases that had some
+    assert gpu_share.alone(tmp_path, until=2.0) == {"a::bench": 1.0}
+    assert gpu_share.alone(tmp_path, until=0.5) == {}
 
 
 def test_a_suite_in_several_processes_beside_others_takes_its_exclusive_cases_first(monkeypatch):

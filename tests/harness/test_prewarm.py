@@ -203,6 +203,8 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
         time.sleep(0.2)
     pids = [w.procs[0].pid, *_children(w.procs[0].pid)]
     assert len(pids) == 3, pids
+    # below the suites' CPU priority, all of them (a timed case may hold the GPU while they compile)
+    assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(19, os.nice(0) + prewarm.NICE)}
     w.summary(run)
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "a warming process outlived the run's summary"
@@ -394,6 +396,8 @@ def test_the_report_says_what_the_warming_did():
     # a run killed (or stopped by a full disk) before the summary: the manifest has only its start
     assert "ended before its summary" in _prewarm_line({"list": "l", "started_s": 0.5})
     assert _prewarm_line(None) == ""
+    beside = _prewarm_line({**ran, "timed_beside_s": {"a::bench": 2.5, "b::needle": 1.0}})
+    assert "2 timed cases held the GPU while they compiled on the CPU, at a lower priority (3.5 s" in beside
 
 
 def test_a_cache_the_marker_cannot_be_written_to_still_gives_a_summary(tmp_path, monkeypatch):
