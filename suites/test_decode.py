@@ -37,7 +37,7 @@ cache's whole capacity (what a caller's CUDA graph records), and fails where eit
 grow is more than ``headroom_margin`` slower than the full cache's (at a power-of-two context on a 2x cache
 ``m.decode``'s step has the full cache's plan: there the capacity's plan is the one the margin tests); and the loop
 users write,
-``NSAAttention.decode`` token after token (``loop_tokens`` of them from position S−1: wall clock,
+``NSAAttention.decode`` token after token (``loop_tokens`` of them, the last at position S−1: wall clock,
 CUDA events, the host's own cost per call, ``decode_bench.decode_loop``), beside the graph-replayed
 layer step, labelled host-bound where it takes more than 1.5x that step's GPU time.
 
@@ -462,23 +462,21 @@ HOST_BOUND = 1.5       # a loop taking this many times the GPU's work per token 
 
 
 def _fresh_loop(B: int, S: int):
-    """The user loop's process (``decode_bench.FreshLoop``), on a cache of the bench's capacity (the process
-    makes it larger where the loop needs more rows), started in the bench's setup."""
+    """The user loop's process (``decode_bench.FreshLoop``), on a cache of the bench's capacity, started in the
+    bench's setup."""
     return decode_bench.FreshLoop(CFG.paper_config, B, S, CFG.capacity_for(S), CFG.dtype, CFG.loop_tokens, seed=B)
 
 
 def _user_loop(s, S: int):
-    """The loop users write (``decode_bench.decode_loop``): ``NSAAttention.decode`` token after token from
-    position S−1, ``loop_tokens`` of them, in a cache of the bench's capacity (more where the loop needs it).
+    """The loop users write (``decode_bench.decode_loop``): ``NSAAttention.decode`` token after token,
+    ``loop_tokens`` of them ending at position S−1 (``decode_bench.loop_start``), in a cache of the bench's capacity.
     On a GPU in a process of its own, as a user's script runs it (``FreshLoop``: started and warmed up in the
     setup, timed here); on a CPU in this one (the interpreter's figures only prove the plumbing, and a
     process costs CI its start-up)."""
     if s.loop is not None:
         return s.loop.run()
-    B, need = s.cache.k.shape[0], decode_bench.loop_rows(CFG.loop_tokens, DEV)
-    capacity = max(s.cache.max_len, S - 1 + need)
-    cache = s.cache if s.cache.max_len == capacity else _cache(B, S, seed=decode_bench.probe_seed(B, S), capacity=capacity)[0]
-    return decode_bench.decode_loop(s.m, cache, S - 1, CFG.loop_tokens, DEV)
+    return decode_bench.decode_loop(s.m, s.cache, decode_bench.loop_start(S, CFG.loop_tokens, DEV), CFG.loop_tokens,
+                                    DEV)
 
 
 CONFIG_LABEL = (f"paper config G={LAYER.n_kv_heads}, h={LAYER.heads_per_group}, d_k={LAYER.d_k}, d_v={LAYER.d_v}"

@@ -149,15 +149,22 @@ def loop_rows(calls: int, device, warmup: int = 3) -> int:
     return timing.loop_calls(calls, torch.device(device).type, warmup)
 
 
+def loop_start(S: int, calls: int, device, warmup: int = 3) -> int:
+    """The position ``decode_loop`` starts at for a context of S tokens: its last token is the bench's, t = S−1,
+    so the loop's calls run the plan of the layer step timed there (``kernels.decode.horizon``: one plan for
+    positions S/2 .. S−1 of a power-of-two S), and no plan is set up after its first call."""
+    n = loop_rows(calls, device, warmup)
+    if n > S:
+        raise ValueError(f"the decode loop appends {n} tokens, more than the context of {S}")
+    return S - n
+
+
 def decode_loop(m, cache, t: int, calls: int, device, warmup: int = 3, warmed=None):
     """``NSAAttention.decode`` called token after token from position t, as the README's usage calls it
     (``timing.loop``): ``cache`` must hold tokens 0..t−1 and have room for ``loop_rows`` more (on a GPU
     the loop is made twice: once timed by the clock and events, once for the host's cost). New random
     tokens x [B, 1, D]; their compressed spans complete every d tokens on the way. ``warmed``: called
-    after the first warm-up call (``timing.loop``). Where t is a power of two less one in a cache of twice
-    that (the bench's), the second call is the first of the next plan (``kernels.decode.horizon``): it sets
-    that plan up (its kernels, compiled or loaded, and its graph) after ``warmed``, still in the warm-up, and
-    the timed calls run that plan, not the one of the layer step the bench times at t. -> timing.LoopTiming."""
+    after the first warm-up call (``timing.loop``). The benches start at ``loop_start``. -> timing.LoopTiming."""
     from nsa_validate.measure import timing
     B, D = cache.k.shape[0], m.cfg.d_model
     n = loop_rows(calls, device, warmup)
@@ -176,7 +183,7 @@ READY, GO = "ready", "go"       # ``FreshLoop``'s handshake, one line each way
 
 
 class FreshLoop:
-    """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens, the layer's weights from ``seed``)
+    """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens up to S−1, the layer's weights from ``seed``)
     in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
     it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
     a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows, more where
@@ -299,11 +306,10 @@ def main(argv=None) -> None:
         import json
         import kernels  # noqa: F401  (registers the Triton routes NSAAttention.decode takes)
         dt = DTYPES[a.dtype]
-        need = a.context - 1 + loop_rows(a.loop, a.device)
         cache, _ = make_inputs(cfg, a.batch, a.context, dt, a.device, probe_seed(a.batch, a.context),
-                               capacity=max(a.capacity or 0, need))
-        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, a.context - 1, a.loop, a.device,
-                        warmed=_handshake if a.wait else None)
+                               capacity=a.capacity)
+        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, loop_start(a.context, a.loop, a.device),
+                        a.loop, a.device, warmed=_handshake if a.wait else None)
         print(json.dumps(t.summary()), flush=True)
         if a.wait:              # FreshLoop waits for this process's end inside the bench's GPU hold:
             os._exit(0)         # no Python shutdown of torch and the CUDA context to wait for

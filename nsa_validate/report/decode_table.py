@@ -58,7 +58,7 @@ COLUMNS = {   # decode.csv starts with the run's columns: run_id, gpu, commit, l
                                  "the projections too)",
     "layer_speedup_vs_dense": "the faster dense layer step / layer_ms: the decode speedup a user of the layer sees",
     "loop_ms": "NSAAttention.decode called token after token (the README's usage; suites.decode.loop_tokens "
-               "tokens from position S−1, compressed spans completing on the way), wall clock per token",
+               "tokens, the last at position S−1, compressed spans completing on the way), wall clock per token",
     "loop_events_ms": "the same loop, CUDA events around it, per token (GPU)",
     "loop_host_ms": "the host's own cost per call: the same calls queued behind a GPU sleep, 16 at a time, each 16 "
                     "after an untimed call, as a call back to back follows another (GPU)",
