@@ -245,8 +245,8 @@ def _prewarm_line(p: dict | None) -> str:
         line += f"; the suites compiled {p['unlisted']} launches the list lacks (the run's kernels.jsonl has them)"
     if p.get("timed_beside_s"):
         beside = p["timed_beside_s"]
-        line += (f"; {len(beside)} timed cases held the GPU while they compiled on the CPU, at a lower priority "
-                 f"({round(sum(beside.values()), 2)} s of their time alone)")
+        line += (f"; {len(beside)} timed cases held the GPU while the warming processes still compiled (on the CPU, "
+                 f"at a lower priority): {round(sum(beside.values()), 2)} s of their time alone")
     return line + ". "
 
 

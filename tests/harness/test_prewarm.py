@@ -397,7 +397,8 @@ def test_the_report_says_what_the_warming_did():
     assert "ended before its summary" in _prewarm_line({"list": "l", "started_s": 0.5})
     assert _prewarm_line(None) == ""
     beside = _prewarm_line({**ran, "timed_beside_s": {"a::bench": 2.5, "b::needle": 1.0}})
-    assert "2 timed cases held the GPU while they compiled on the CPU, at a lower priority (3.5 s" in beside
+    assert ("2 timed cases held the GPU while the warming processes still compiled (on the CPU, at a lower "
+            "priority): 3.5 s of their time alone") in beside
 
 
 def test_a_cache_the_marker_cannot_be_written_to_still_gives_a_summary(tmp_path, monkeypatch):
