@@ -183,11 +183,10 @@ READY, GO = "ready", "go"       # ``FreshLoop``'s handshake, one line each way
 
 
 class FreshLoop:
-    """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens up to S−1, the layer's weights from ``seed``)
-    in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
+    """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens up to S−1, the layer's weights from
+    ``seed``) in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
     it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
-    a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows, more where
-    the loop needs them) and layer, makes the loop's first warm-up call (it compiles and captures; ``ready``
+    a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows) and layer, makes the loop's first warm-up call (it compiles and captures; ``ready``
     waits for that), then waits: ``run`` lets it make the other warm-up calls and time the loop, and returns
     its ``timing.LoopTiming``. So a suite starts it beside other suites' cases and only the loop runs while
     the case holds the GPU alone. ``close`` ends it (a process never told to go)."""
@@ -306,10 +305,14 @@ def main(argv=None) -> None:
         import json
         import kernels  # noqa: F401  (registers the Triton routes NSAAttention.decode takes)
         dt = DTYPES[a.dtype]
+        try:                    # before the cache is made: a loop longer than the context is the caller's mistake
+            start = loop_start(a.context, a.loop, a.device)
+        except ValueError as e:
+            ap.error(str(e))
         cache, _ = make_inputs(cfg, a.batch, a.context, dt, a.device, probe_seed(a.batch, a.context),
                                capacity=a.capacity)
-        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, loop_start(a.context, a.loop, a.device),
-                        a.loop, a.device, warmed=_handshake if a.wait else None)
+        t = decode_loop(nsa_layer(cfg, dt, a.device, seed=a.seed), cache, start, a.loop, a.device,
+                        warmed=_handshake if a.wait else None)
         print(json.dumps(t.summary()), flush=True)
         if a.wait:              # FreshLoop waits for this process's end inside the bench's GPU hold:
             os._exit(0)         # no Python shutdown of torch and the CUDA context to wait for

@@ -199,8 +199,7 @@ class Prewarm:
                 pass
         # until its last compile ended (the processes are only polled when the suites are done)
         last = max((d["end"] for d in done if "end" in d), default=None)
-        wall = last - self.t0 if last is not None and len(done) == self.n else self.ended - self.t0
-        self.last_end = self.t0 + wall
+        self.last_end = last if last is not None and len(done) == self.n else self.ended
         imported = _stamp(self.work / "imported")
         self.close()
         return {"list": shown(self.kernels), "kernels": self.n, "processes": len(files),
@@ -208,7 +207,7 @@ class Prewarm:
                 "compiled": len(done) - len(failed), "failed": len(failed),
                 "first_failure": f"{failed[0]['fn']}: {failed[0]['error']}" if failed else None,
                 "not_reached": self.n - len(done),
-                "wall_s": round(wall, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2),
+                "wall_s": round(self.last_end - self.t0, 2), "cpu_s": round(sum(d.get("s", 0) for d in done), 2),
                 "unlisted": unlisted(self.entries, run_dir / "kernels.jsonl")}
 
 

@@ -216,3 +216,13 @@ def test_decode_loop_entry_point_prints_its_timing(capsys):
                  "--device", "cpu", "--seed", "3"])
     t = timing.LoopTiming(**json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert t.timer == "cpu" and t.calls == 2 and t.wall_ms > 0
+
+
+def test_decode_loop_longer_than_the_context_is_refused_before_any_work(capsys):
+    """The loop ends at the context's last token, so it cannot append more tokens than the context holds:
+    argparse's one line and exit code 2, before a cache or a layer is made."""
+    from nsa_validate.bench import decode
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--batch", "1", "--context", "8", "--config", "tiny", "--loop", "20", "--device", "cpu"])
+    assert e.value.code == 2
+    assert "the decode loop appends" in capsys.readouterr().err
