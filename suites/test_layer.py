@@ -140,7 +140,7 @@ def needle():
     return _needle_layer(NEEDLE_S, DTYPES[CFG.dtype])
 
 
-@pytest.mark.nsa_exclusive
+@pytest.mark.nsa_exclusive(beside_warming=True)    # a check of most of the GPU's memory; it times nothing
 def test_needle(record, needle):
     S, (m, x, pos, payload) = NEEDLE_S, needle
     with torch.no_grad():

@@ -334,7 +334,7 @@ LONG = profile_cases([pytest.param(dt, S, id=f"{dt}-3x{S}-G4-h16-dk192-dv128")
 
 
 @pytest.mark.parametrize("dt,S", LONG)
-@pytest.mark.nsa_exclusive
+@pytest.mark.nsa_exclusive(beside_warming=True)    # memory, not time: it times nothing
 def test_long_varlen_sampled_rows(dt, S, record):
     """Three sequences of S tokens with the paper's heads (T·H·d_k > 2^31 at S = 64k, so the
     64-bit offsets are exercised): forward on sampled rows and all gradients flowing from them,

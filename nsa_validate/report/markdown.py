@@ -243,9 +243,9 @@ def _prewarm_line(p: dict | None) -> str:
         line += f"; {p['not_reached']} not reached before the suites ended"
     if p.get("unlisted"):
         line += f"; the suites compiled {p['unlisted']} launches the list lacks (the run's kernels.jsonl has them)"
-    if p.get("timed_beside_s"):
-        beside = p["timed_beside_s"]
-        line += (f"; {len(beside)} timed cases held the GPU while the warming processes still compiled (on the CPU, "
+    if p.get("alone_beside_s"):
+        beside = p["alone_beside_s"]
+        line += (f"; {len(beside)} cases held the GPU alone while the warming processes still compiled (on the CPU, "
                  f"at a lower priority): {round(sum(beside.values()), 2)} s of their time alone")
     return line + ". "
 

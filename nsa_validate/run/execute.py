@@ -155,8 +155,9 @@ def _execute(req: RunRequest, named: profiles.Profile | None, root: Path, listen
             locks = warming.locks if warming is not None else run_dir / ".compile"
             preload = _preload_reporting(any(SUITES[n].summarise for n in names if n in SUITES))
             t_suites = time.monotonic()
+            alive = str(warming.alive) if warming is not None else None
             suites = _Background(lambda: _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu,
-                                                     workers, results, held, halt, locks, server))
+                                                     workers, results, held, halt, locks, server, alive))
         if rep is None:
             rep = envcheck.collect(wait=False)     # PyTorch's own report finishes beside the suites (``complete``)
             t_env = time.monotonic()
@@ -214,8 +215,8 @@ def _execute(req: RunRequest, named: profiles.Profile | None, root: Path, listen
             manifest["gpu_alone_s"] = held
             manifest["phases_s"]["alone"] = round(sum(held.values()), 2)
         if warming is not None and warming.last_end is not None:
-            # timed while the warming processes compiled (on the CPU, below the suites' priority): said
-            manifest["prewarm"]["timed_beside_s"] = gpu_share.alone(run_dir, until=warming.last_end)
+            # alone on the GPU while the warming processes compiled (cases that time nothing: ``gpu_share``)
+            manifest["prewarm"]["alone_beside_s"] = gpu_share.alone(run_dir, until=warming.last_end)
     for name in names:
         if name not in results and status != "env-broken":
             results[name] = SuiteResult(name, "skip", reason=f"not run: {status}",
@@ -266,7 +267,7 @@ class _Background:
 
 
 def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, workers, results, listener, stop,
-                locks, server=None):
+                locks, server=None, warming=None):
     """Every suite, on the threads the sharing mode asks for; returns those threads. ``stop``: polled
     (``is_set``); once set, each suite kills its processes and keeps what they finished."""
     def work(queue: list[str], gpu_index: int | None, lock: str | None = None) -> None:
@@ -285,7 +286,7 @@ def _run_suites(req, prof, device, run_dir, manifest, git, shards, share_gpu, wo
             ctx = RunContext(profile=prof, device=device, strict=req.strict, gpu_index=gpu_index, gpu_lock=lock,
                              select=req.select, timeout_s=limit, run_id=manifest["run_id"],
                              commit=rundir.commit_label(git), gpu_name=_gpu_name(device, gpu_index),
-                             workers=workers[name], compile_locks=str(locks),
+                             workers=workers[name], compile_locks=str(locks), warming=warming,
                              launch_log=str(run_dir / "kernels.jsonl") if device == "cuda" else None)
             results[name] = run_suite(SUITES[name], ctx, run_dir, progress, stop.is_set, server)
             listener.suite_finished(name, where, results[name])

@@ -110,6 +110,7 @@ class Prewarm:
         _sweep()
         self.scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-"))
         self.work, self.logs, self.locks = self.scratch / "work", self.scratch / "logs", self.scratch / "locks"
+        self.alive = self.scratch / "alive"     # held shared by the warming processes (``gpu_share.wait_warming``)
         try:
             for d in (self.work, self.logs, self.locks):
                 d.mkdir()
@@ -120,13 +121,19 @@ class Prewarm:
 
     def _spawn(self, env: dict | None) -> None:
         from nsa_validate.env import interpret
+        from nsa_validate.suite import gpu_share
+        alive = gpu_share.warming_lock(str(self.alive))   # held before the process exists: no case passes early
         # its session holds every warming process, so that stopping it stops them all
-        with open(self.logs / "prewarm.0.log", "w") as log:
-            self.procs = [subprocess.Popen([sys.executable, "-c", _SERVER, str(self.work), str(self.locks),
-                                            str(self.logs)], cwd=REPO_ROOT,
-                                           env=env if env is not None else interpret.child_env("cuda"),
-                                           stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=orphans.die_with_parent())]
+        try:
+            with open(self.logs / "prewarm.0.log", "w") as log:
+                self.procs = [subprocess.Popen([sys.executable, "-c", _SERVER, str(self.work), str(self.locks),
+                                                str(self.logs)], cwd=REPO_ROOT,
+                                               env=env if env is not None else interpret.child_env("cuda"),
+                                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True, preexec_fn=orphans.die_with_parent(),
+                                               pass_fds=(alive,))]
+        finally:
+            os.close(alive)                # theirs now: the lock lives as long as the last of them
 
     def go(self, kernels: Path, processes: int) -> None:
         """Compile ``kernels`` (a launch list) in ``processes`` processes, from now."""
@@ -271,8 +278,8 @@ def _serve(work: str, locks: str, logs: str) -> None:
     use: the children start it themselves, at their first compile; were it started, this process warms
     alone."""
     import importlib
-    # below the suites' CPU priority (the forked ones inherit it): a timed case that takes the GPU while
-    # these still compile (``gpu_share``'s turnstile) finds its core free; they take what the suites leave
+    # below the suites' CPU priority (the forked ones inherit it): the suites' cases, and a case holding the
+    # GPU alone while these still compile (one that times nothing: ``gpu_share``), come first
     with contextlib.suppress(OSError):
         os.nice(NICE)
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)

@@ -33,6 +33,7 @@ class RunContext:
     workers: int = 1                  # the suite's pytest processes, taking its cases in turn
     compile_locks: str | None = None  # the run's folder of per-kernel compile locks (``compile_once``)
     launch_log: str | None = None     # the run's kernels.jsonl: the launches that compiled (``launches``)
+    warming: str | None = None        # the run's warming processes' lock (``gpu_share.wait_warming``); None: none
 
     def to_dict(self) -> dict:
         return asdict(self)

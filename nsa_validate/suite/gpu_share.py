@@ -18,7 +18,11 @@ last parity case, when the compiles were done and the CPU idle, one after anothe
 last 14 s of 61 s). So a case asks at a turnstile first (``<lock>.turn``): a timed case holds it
 while it waits for the GPU, and a parity case passes it only when no timed case is waiting; the
 timed cases then run as soon as their setups are done, while the run's warming processes compile
-on the CPU (``prewarm``: at a lower CPU priority) and the parity cases wait.
+on the CPU (``prewarm``: at a lower CPU priority) and the parity cases wait. That only for a case that
+times nothing (``nsa_exclusive(beside_warming=True)``: a check that needs most of the GPU's memory); a
+case that times anything first waits, holding nothing, for the warming to end (``wait_warming``): host
+times taken beside fifteen compiling processes read high (H200: the decode loop's host cost a call 38.0
+µs beside them against 20.4 in the warm run that followed).
 """
 from __future__ import annotations
 
@@ -97,6 +101,28 @@ def overlaps(log_path: str) -> list[str]:
             bad += [f"{a['what']} overlapped {b['what']}" for b in rows
                     if b is not a and b["t0"] < a["t1"] and a["t0"] < b["t1"]]
     return bad
+
+
+def warming_lock(path: str) -> int:
+    """The lock the run's warming processes hold shared for as long as any of them lives: taken here, its
+    descriptor handed to the first of them (inherited by those it forks: one open file, so the lock goes with
+    the last); the caller closes its own copy once that process has started."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def wait_warming(path: str) -> None:
+    """Until no warming process of the run is left (at once where none was started, or the run has removed
+    their folder)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
 
 
 def announce(path: str) -> int:

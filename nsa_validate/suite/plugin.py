@@ -142,8 +142,9 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
-    config.addinivalue_line("markers", "nsa_exclusive: times the GPU, reads its counters or needs much of its "
-                                       "memory: runs alone on it when suites share a GPU (nsa_validate.suite.gpu_share)")
+    config.addinivalue_line("markers", "nsa_exclusive(beside_warming=False): times the GPU, reads its counters or "
+                                       "needs much of its memory: runs alone on it when suites share a GPU, and after the "
+                                       "run's warming unless it times nothing (nsa_validate.suite.gpu_share)")
     path = config.getoption("--nsa-context")
     level = config.getoption("--nsa-level", default=None)
     if level and not path:                # a plain pytest at a chosen level (the CLI's context names its own)
@@ -250,7 +251,14 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    with _hold(item, exclusive=True) if _exclusive(item) else nullcontext():
+    if not _exclusive(item):
+        yield
+        return
+    warming = context.current().warming
+    if warming and not _skipped(item) and not item.get_closest_marker("nsa_exclusive").kwargs.get("beside_warming"):
+        from nsa_validate.suite import gpu_share
+        gpu_share.wait_warming(warming)       # holding nothing: the parity cases go on meanwhile
+    with _hold(item, exclusive=True):
         yield
 
 

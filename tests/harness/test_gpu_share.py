@@ -1,5 +1,6 @@
 """Suites sharing a GPU (nsa_validate.suite.gpu_share): parity cases together, a timed case alone."""
 import json
+import os
 import re
 import threading
 import time
@@ -135,3 +136,22 @@ def test_a_suite_in_several_processes_beside_others_takes_its_exclusive_cases_fi
     assert order(gpu_lock="lock", workers=3) == ["bench", "needle", "parity1", "parity2", "skipped"]
     assert order(gpu_lock=None, workers=3) == ["parity1", "bench", "parity2", "skipped", "needle"]
     assert order(gpu_lock="lock", workers=1) == ["parity1", "bench", "parity2", "skipped", "needle"]
+
+
+def test_a_timed_case_waits_for_the_warming_processes_to_end(tmp_path):
+    """``wait_warming``: the lock ``warming_lock`` took is handed to a process (as ``prewarm`` hands it to its
+    first warming process, which forks the others) and held as long as it lives; the wait ends with it, at
+    once where there is none, and where the run has removed the warming's folder."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "alive")
+    fd = gpu_share.warming_lock(path)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], pass_fds=(fd,))
+    os.close(fd)                                      # the process's now
+    t0 = time.monotonic()
+    gpu_share.wait_warming(path)
+    assert proc.poll() is not None and time.monotonic() - t0 > 0.5, "the wait ended while the process lived"
+    t0 = time.monotonic()
+    gpu_share.wait_warming(path)                      # none left
+    gpu_share.wait_warming(str(tmp_path / "gone" / "alive"))
+    assert time.monotonic() - t0 < 0.5

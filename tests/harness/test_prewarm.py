@@ -186,6 +186,7 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
     w.go(listed, processes=3)
     for p in w.procs:
         p.wait(timeout=120)
+    assert _lock_free(w.alive), "the warming's lock outlived its processes"
     s = w.summary(run)
     assert (s["processes"], s["failed"], s["not_reached"]) == (3, 6, 0), s     # k0..k5: no such kernel
     assert len((tmp_path / "imports").read_text().split()) == 1
@@ -205,9 +206,23 @@ def test_the_warming_processes_import_the_kernels_once_and_stop_together(tmp_pat
     assert len(pids) == 3, pids
     # below the suites' CPU priority, all of them (a timed case may hold the GPU while they compile)
     assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(19, os.nice(0) + prewarm.NICE)}
+    assert not _lock_free(w.alive), "a timed case would not wait for these (gpu_share.wait_warming)"
     w.summary(run)
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "a warming process outlived the run's summary"
+
+
+def _lock_free(path) -> bool:
+    """Could a timed case take the warming's lock (``gpu_share.wait_warming``) now, without waiting?"""
+    import fcntl
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class _Seen(prewarm.Prewarm):
@@ -396,8 +411,8 @@ def test_the_report_says_what_the_warming_did():
     # a run killed (or stopped by a full disk) before the summary: the manifest has only its start
     assert "ended before its summary" in _prewarm_line({"list": "l", "started_s": 0.5})
     assert _prewarm_line(None) == ""
-    beside = _prewarm_line({**ran, "timed_beside_s": {"a::bench": 2.5, "b::needle": 1.0}})
-    assert ("2 timed cases held the GPU while the warming processes still compiled (on the CPU, at a lower "
+    beside = _prewarm_line({**ran, "alone_beside_s": {"a::bench": 2.5, "b::needle": 1.0}})
+    assert ("2 cases held the GPU alone while the warming processes still compiled (on the CPU, at a lower "
             "priority): 3.5 s of their time alone") in beside
 
 
