@@ -184,12 +184,13 @@ READY, GO = "ready", "go"       # ``FreshLoop``'s handshake, one line each way
 
 class FreshLoop:
     """``decode_loop`` (B, S, a cache of ``capacity`` rows, ``calls`` tokens up to S−1, the layer's weights from
-    ``seed``) in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script runs
-    it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
-    a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows) and layer, makes the loop's first warm-up call (it compiles and captures; ``ready``
-    waits for that), then waits: ``run`` lets it make the other warm-up calls and time the loop, and returns
-    its ``timing.LoopTiming``. So a suite starts it beside other suites' cases and only the loop runs while
-    the case holds the GPU alone. ``close`` ends it (a process never told to go)."""
+    ``seed``) in a new Python process, ``python -m nsa_validate.bench.decode --loop N --wait``: as a user's script
+    runs it, with none of the harness's state (inside a suite's process the host's cost a call came out up to twice
+    a fresh process's: docs/decisions.md). The process starts, builds its cache (``capacity`` rows) and layer, makes
+    the loop's first warm-up call (it compiles and captures; ``ready`` waits for that), then waits: ``run`` lets
+    it make the other warm-up calls and time the loop, and returns its ``timing.LoopTiming``. So a suite starts it
+    beside other suites' cases and only the loop runs while the case holds the GPU alone. ``close`` ends it (a
+    process never told to go)."""
 
     def __init__(self, paper: bool, B: int, S: int, capacity: int, dtype: str, calls: int, seed: int,
                  timeout_s: float = 300, device: str = "cuda"):

@@ -143,8 +143,8 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
     config.addinivalue_line("markers", "nsa_exclusive(beside_warming=False): times the GPU, reads its counters or "
-                                       "needs much of its memory: runs alone on it when suites share a GPU, and after the "
-                                       "run's warming unless it times nothing (nsa_validate.suite.gpu_share)")
+                                       "needs much of its memory: runs alone on it when suites share a GPU, and "
+                                       "after the run's warming unless it times nothing (nsa_validate.suite.gpu_share)")
     path = config.getoption("--nsa-context")
     level = config.getoption("--nsa-level", default=None)
     if level and not path:                # a plain pytest at a chosen level (the CLI's context names its own)
