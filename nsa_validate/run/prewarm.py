@@ -256,6 +256,7 @@ def _warm_all(entries: list[dict], counter: str, locks: str, results: str) -> No
     from nsa_validate.suite import compile_once, launches
     from nsa_validate.suite.claim import claim
     compile_once.install(locks)
+    launches.compile_only()
     with open(results, "a", buffering=1) as out:
         while (i := claim(counter)) < len(entries):
             e, t = entries[i], time.perf_counter()
@@ -275,8 +276,8 @@ def _serve(work: str, locks: str, logs: str) -> None:
     compiling at once rather than each importing it all again (on a pod's cold disk ~10 s a process, 15
     processes at once beside the suites': docs/decisions.md). Every process takes launches off the list
     (``_warm_all``) until none is left. Nothing here starts CUDA, which a forked process could not
-    use: the children start it themselves, at their first compile; were it started, this process warms
-    alone."""
+    use: the children start it themselves (the driver only: they make no context,
+    ``launches.compile_only``); were it started, this process warms alone."""
     import importlib
     # below the suites' CPU priority (the forked ones inherit it): the suites' cases, and a case holding the
     # GPU alone while these still compile (one that times nothing: ``gpu_share``), come first
@@ -304,6 +305,11 @@ def _serve(work: str, locks: str, logs: str) -> None:
             importlib.import_module(module)
         except Exception as e:             # noqa: BLE001  its lines fail alone when warmed (``_warm_all``)
             print(f"prewarm: importing {module}: {type(e).__name__}: {e}", file=sys.stderr)
+    # Triton's own C module (``cuda_utils``, gcc's second or two on a cold cache) built once, here, rather than
+    # by every forked process at its first compile; building and loading it starts no CUDA
+    with contextlib.suppress(Exception):
+        import triton
+        triton.runtime.driver.active.utils
     n = int(order_["processes"])
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized() and n > 1:

@@ -15,6 +15,7 @@ alone: the suites then compile that kernel themselves, as they would without the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -242,12 +243,26 @@ def compiled(entry: dict):
                      **{k: _decode(v) for k, v in entry["kwargs"].items()})
 
 
+def compile_only() -> None:
+    """For a process that compiles launches and runs none (a warming process): Triton's warm-up still asks
+    torch for the current stream, which starts a CUDA context; the stream is never used, so 0 instead.
+    Contexts are made one at a time by the driver, and the suites' processes make theirs meanwhile."""
+    with contextlib.suppress(Exception):       # a Triton without the attribute: its own stream, as before
+        from triton.runtime import driver
+        driver.active.get_current_stream = lambda *device: 0
+
+
 def warm(entry: dict) -> None:
-    """Compile ``entry``'s launch (into Triton's cache) without running it (``compiled``), and build what
-    its first launch would."""
+    """Compile ``entry``'s launch (into Triton's cache) without running it (``compiled``), and build the
+    launcher its first launch would (Triton 3.6: a C stub per signature, gcc's seconds; later Tritons build
+    none), without loading the kernel onto the GPU: that would give each warming process a CUDA context
+    (the suites' processes load their own kernels anyway)."""
     kernel = compiled(entry)
-    # the launcher (a C stub Triton builds per signature, gcc's seconds) and the module's load: what the
-    # first real launch would do next; a Triton without them built them already or does not need to
-    init = getattr(kernel, "_init_handles", None)
+    from triton.runtime import driver
+    launcher = getattr(driver.active, "launcher_cls", None)
+    if launcher is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
+        launcher(kernel.src, kernel.metadata)
+        return
+    init = getattr(kernel, "_init_handles", None)      # a Triton without them: what its first launch does
     if callable(init):
         init()

@@ -387,7 +387,12 @@ def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
                    check=True, cwd=REPO_ROOT)
     (entry,) = launches.read(listed)
     assert entry["fn"] == "kernels.decode_layer:_copy_in_kernel" and entry["kwargs"] == {"BLOCK": 1024}
-    warm = f"import json\nfrom nsa_validate.suite import launches\nlaunches.warm(json.loads({json.dumps(entry)!r}))\n"
+    warm = ("import ctypes, json\nfrom nsa_validate.suite import launches\nlaunches.compile_only()\n"
+            f"launches.warm(json.loads({json.dumps(entry)!r}))\n"
+            # no CUDA context: the kernel was not loaded (a warming process needs none)
+            "cu = ctypes.CDLL('libcuda.so.1'); flags, active = ctypes.c_uint(), ctypes.c_int()\n"
+            "assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0\n"
+            "assert active.value == 0, 'warming made a CUDA context'\n")
     subprocess.run([sys.executable, "-c", warm], env=env, check=True, cwd=REPO_ROOT)
     files = sorted(p for p in (tmp_path / "cache").rglob("*") if p.is_file())
     assert any(p.suffix == ".cubin" for p in files), files
