@@ -5,4 +5,4 @@ from nsa_validate.suite.plugin import (ctx, extra, pytest_addoption, pytest_coll
                                  pytest_configure, pytest_runtest_call, pytest_runtest_logfinish, pytest_runtest_logstart,
                                  pytest_runtest_logreport, pytest_runtest_protocol, pytest_runtest_setup,
                                  pytest_runtest_teardown, pytest_sessionstart,
-                                 pytest_unconfigure, record)
+                                 pytest_unconfigure, quiet, record)

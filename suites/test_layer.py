@@ -62,10 +62,11 @@ def compiled(shape):
 
 
 @pytest.mark.parametrize("shape", profile_cases([pytest.param(s, id=s.label) for s in SHAPES], "layer", "shapes", 1))
-@pytest.mark.nsa_exclusive
-def test_bench(shape, record, compiled):
+# its dense layers, GPU-bound, are timed beside the run's warming; the NSA layer after it (``quiet``)
+@pytest.mark.nsa_exclusive(beside_warming=True)
+def test_bench(shape, record, compiled, quiet):
     row = layer.measure(shape, ROUTING, DEV, budget_ms=CFG.budget_ms, stages=CFG.stages, capture=record.capture,
-                        warmed=compiled)
+                        warmed=compiled, quiet=quiet)
     want = routing.prefill_routes(ROUTING, shape.S, cfg=shape.config(), device=torch.device(DEV), dtype=DTYPES[CFG.dtype])
     for br, d in want.items():                # the routed path ran, by the dispatch log and the GPU's kernels
         record.expect_ran(row.log, "prefill", br, d.backend)

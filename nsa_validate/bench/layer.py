@@ -108,6 +108,7 @@ class Row:
     stages_fwd: dict[str, Measured] = field(default_factory=dict)
     stages_bwd: dict[str, Measured] = field(default_factory=dict)
     log: routing.DispatchLog | None = field(default=None, repr=False)   # what the untimed forward ran
+    dense_beside_compiles: bool = False      # the dense layers timed while a run compiled on the CPU (``measure``)
 
     def best_dense(self, phase: str) -> tuple[str, Measured] | None:
         """The fastest dense layer that reads no more than the NSA layer's K/V bytes per token
@@ -131,14 +132,16 @@ class Row:
                 "dense_fwdbwd": {k: m(v) for k, v in self.dense_fwdbwd.items()},
                 "dense": {k: dataclasses.asdict(v) for k, v in self.dense.items()},
                 "stages_fwd": {k: m(v) for k, v in self.stages_fwd.items()},
-                "stages_bwd": {k: m(v) for k, v in self.stages_bwd.items()}}
+                "stages_bwd": {k: m(v) for k, v in self.stages_bwd.items()},
+                "dense_beside_compiles": self.dense_beside_compiles}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Row":
         ms = lambda x: {k: Measured(**v) for k, v in x.items()}  # noqa: E731
         return cls(Shape(**d["shape"]), d["routes"], Measured(**d["nsa_fwd"]), Measured(**d["nsa_fwdbwd"]),
                    ms(d["dense_fwd"]), ms(d["dense_fwdbwd"]), {k: Dense(**v) for k, v in d["dense"].items()},
-                   ms(d["stages_fwd"]), ms(d["stages_bwd"]))
+                   ms(d["stages_fwd"]), ms(d["stages_bwd"]),
+                   dense_beside_compiles=d.get("dense_beside_compiles", False))
 
 
 # -- the dense layer --------------------------------------------------------------------------
@@ -347,26 +350,22 @@ def warm(shape: Shape, policy: RoutingPolicy, device: str) -> frozenset[str]:
 
 
 def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: float = 1000.0,
-            stages: bool = True, capture=routing.capture, warmed: frozenset[str] = frozenset()) -> Row:
+            stages: bool = True, capture=routing.capture, warmed: frozenset[str] = frozenset(),
+            quiet: Callable[[], bool] = lambda: False) -> Row:
     """Time the NSA layer and its dense counterparts on one shape (see the module docstring).
     ``warmed``: the dense layers ``warm`` ran at this shape in this process (their timing makes no
     untimed call first: ``_time``).
     ``capture``: the context manager (yielding a ``routing.DispatchLog``) one forward runs in first
     (untimed on a GPU; on a CPU the timed forward), e.g. a suite's recorder that also watches the
-    GPU's kernels; ``Row.log`` keeps it."""
+    GPU's kernels; ``Row.log`` keeps it.
+    ``quiet``: called between the dense layers' timings and the NSA layer's, it waits for a busy CPU to
+    quieten (a run's compiles); True where the CPU was busy during the dense layers' timings
+    (``Row.dense_beside_compiles``). The dense layers go first:
+    hundreds of ms of GPU work a call for a few ms of Python, their timings do not move with the CPU's
+    load; the NSA layer's host time is a figure of the row, and a busy CPU would inflate it."""
     m, x = build(shape, policy, device)
     dout = torch.randn_like(x)
     on_gpu = device == "cuda"
-    with torch.no_grad(), capture() as log:
-        if on_gpu:
-            m(x)
-        else:               # a CPU times one call (``_time``): the logged forward is that call, not one more
-            fwd = _time(lambda: m(x), device, budget_ms)
-    routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in routing.PREFILL_STAGES}
-    if on_gpu:
-        with torch.no_grad():
-            fwd = _time(lambda: m(x), device, budget_ms)
-    fwdbwd = _time(_fwd_bwd(m, x, dout), device, budget_ms)
     dense_fwd, dense_fwdbwd = {}, {}
     dense = dense_layers(shape, device)
     for name, spec in dense.items():
@@ -377,7 +376,18 @@ def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: floa
             dense_fwd[name] = _time(lambda: d(x), device, budget_ms, warmed=name in warmed)
         dense_fwdbwd[name] = _time(_fwd_bwd(d, x, dout), device, budget_ms, warmed=name in warmed)
         del d
-    row = Row(shape, routes, fwd, fwdbwd, dense_fwd, dense_fwdbwd, dense, log=log)
+    beside = quiet()
+    with torch.no_grad(), capture() as log:
+        if on_gpu:
+            m(x)
+        else:               # a CPU times one call (``_time``): the logged forward is that call, not one more
+            fwd = _time(lambda: m(x), device, budget_ms)
+    routes = {br: "/".join(log.backends("prefill").get(br, [])) for br in routing.PREFILL_STAGES}
+    if on_gpu:
+        with torch.no_grad():
+            fwd = _time(lambda: m(x), device, budget_ms)
+    fwdbwd = _time(_fwd_bwd(m, x, dout), device, budget_ms)
+    row = Row(shape, routes, fwd, fwdbwd, dense_fwd, dense_fwdbwd, dense, log=log, dense_beside_compiles=beside)
     if stages and fwd.ms is not None:
         row.stages_fwd, row.stages_bwd = breakdown(m, x, device, budget_ms)
     return row

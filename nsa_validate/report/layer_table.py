@@ -36,6 +36,7 @@ def records(rows: list[Row]) -> list[dict]:
         rec["stages_bwd_sum_ms"] = _sum(summed(r.stages_bwd))
         rec["timer"] = r.nsa_fwd.timer or r.nsa_fwdbwd.timer
         rec["host_bound"] = r.nsa_fwd.host_bound or r.nsa_fwdbwd.host_bound
+        rec["dense_beside_compiles"] = r.dense_beside_compiles
         out.append(rec)
     return out
 
@@ -138,7 +139,12 @@ def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.
                "<name>_{ms,p20_ms,p80_ms,host_ms,peak_gib,oom,gpu_ms} "
                "for nsa_fwd, nsa_fwdbwd, dense_<layer>_{fwd,fwdbwd}; best_dense_*, speedup_* (dense/NSA); "
                "stage_{fwd,bwd}_<stage>_ms and their sums (without the one op's parts where it ran); timer; "
-               "host_bound.")
+               "host_bound; dense_beside_compiles.")
+    beside = [r.shape.label for r in rows if r.dense_beside_compiles]
+    if beside:
+        extra.note(f"dense layers timed while the run's warming processes compiled on the CPU ({', '.join(beside)}; "
+                   "dense_beside_compiles in layer.csv): their timings are the GPU's (hundreds of ms of GPU work a "
+                   "call), their host ms read high; the NSA layer was timed after the compiles ended.")
     extra.set("summary", headline(rows))
     return df
 

@@ -19,10 +19,12 @@ last 14 s of 61 s). So a case asks at a turnstile first (``<lock>.turn``): a tim
 while it waits for the GPU, and a parity case passes it only when no timed case is waiting; the
 timed cases then run as soon as their setups are done, while the run's warming processes compile
 on the CPU (``prewarm``: at a lower CPU priority) and the parity cases wait. That only for a case that
-times nothing (``nsa_exclusive(beside_warming=True)``: a check that needs most of the GPU's memory); a
-case that times anything first waits, holding nothing, for the warming to end (``wait_warming``): host
-times taken beside fifteen compiling processes read high (H200: the decode loop's host cost a call 38.0
-µs beside them against 20.4 in the warm run that followed).
+times nothing (``nsa_exclusive(beside_warming=True)``: a check that needs most of the GPU's memory), or
+whose first timings are GPU-bound and that waits for the warming itself before the rest (``hold.
+let_go_while``: the layer bench's dense layers, then the NSA layer); a case that times anything else
+first waits, holding nothing, for the warming to end (``wait_warming``): host times taken beside fifteen
+compiling processes read high (H200: the decode loop's host cost a call 38.0 µs beside them against 20.4
+in the warm run that followed).
 """
 from __future__ import annotations
 
@@ -64,20 +66,41 @@ def release(fd: int) -> None:
     os.close(fd)
 
 
-@contextlib.contextmanager
-def hold(path: str, exclusive: bool, what: str = ""):
-    """Hold the GPU lock at ``path`` for the block: exclusive or shared. Each hold is logged to
-    ``<path>.log`` (pid, mode, start and end on the monotonic clock, ``what``): the record that
-    timed cases ran alone (``overlaps``)."""
-    fd = acquire(path, exclusive)
-    t0 = time.monotonic()
-    try:
-        yield
-    finally:
+class hold:
+    """Hold the GPU lock at ``path`` for a ``with`` block: exclusive or shared. Each stretch held is logged
+    to ``<path>.log`` (pid, mode, start and end on the monotonic clock, ``what``): the record that timed
+    cases ran alone (``overlaps``). ``let_go_while(wait, what)`` ends a stretch (logged as ``what``), calls
+    ``wait()`` holding nothing, and takes the lock again, through the turnstile: a timed case whose first
+    timings are GPU-bound and whose last ones are not waits there for a quiet CPU (``wait_warming``)."""
+
+    def __init__(self, path: str, exclusive: bool, what: str = ""):
+        self.path, self.exclusive, self.what = path, exclusive, what
+        self.fd: int | None = None
+
+    def __enter__(self) -> "hold":
+        self._take()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._let_go(self.what)
+
+    def let_go_while(self, wait, what: str) -> None:
+        self._let_go(what)
+        wait()
+        self._take()
+
+    def _take(self) -> None:
+        self.fd, self.t0 = acquire(self.path, self.exclusive), time.monotonic()
+
+    def _let_go(self, what: str) -> None:
+        if self.fd is None:                 # interrupted while waiting to take it again: nothing held
+            return
         t1 = time.monotonic()
-        release(fd)
-        with open(f"{path}.log", "a") as f:     # one short line per write: appends do not interleave
-            f.write(json.dumps({"pid": os.getpid(), "exclusive": exclusive, "t0": t0, "t1": t1, "what": what}) + "\n")
+        release(self.fd)
+        self.fd = None
+        with open(f"{self.path}.log", "a") as f:     # one short line per write: appends do not interleave
+            f.write(json.dumps({"pid": os.getpid(), "exclusive": self.exclusive, "t0": self.t0, "t1": t1,
+                                "what": what}) + "\n")
 
 
 def _holds(log_path: str) -> list[dict]:
@@ -121,6 +144,21 @@ def wait_warming(path: str) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
+def warming_running(path: str) -> bool:
+    """Whether a warming process of the run still lives (holds its lock), without waiting."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
     finally:
         os.close(fd)
 

@@ -144,7 +144,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "nsa_placeholder: a stand-in case (e.g. no sizes in the profile), never counted")
     config.addinivalue_line("markers", "nsa_exclusive(beside_warming=False): times the GPU, reads its counters or "
                                        "needs much of its memory: runs alone on it when suites share a GPU, and "
-                                       "after the run's warming unless it times nothing (nsa_validate.suite.gpu_share)")
+                                       "after the run's warming unless it times nothing or waits for it itself "
+                                       "(the quiet fixture; nsa_validate.suite.gpu_share)")
     path = config.getoption("--nsa-context")
     level = config.getoption("--nsa-level", default=None)
     if level and not path:                # a plain pytest at a chosen level (the CLI's context names its own)
@@ -205,20 +206,20 @@ def _exclusive(item) -> bool:
 
 @contextmanager
 def _hold(item, exclusive: bool, phase: str = "", release_memory: bool = False):
-    """The case's GPU lock for the block (nothing when ``_gpu_lock`` says none); the suite's
-    start-up hold ends at its first hold. ``release_memory``: the memory the case cached goes back
-    to the GPU before the lock does: other suites' cases need it, and a timed case squeezed for
-    memory measures the allocator's retries (a 64k layer forward: 1.2x dense instead of 2.3x while
-    five other suite processes kept 65 GiB cached)."""
+    """The case's GPU lock for the block (nothing when ``_gpu_lock`` says none; yields
+    ``gpu_share.hold`` or None); the suite's start-up hold ends at its first hold.
+    ``release_memory``: the memory the case cached goes back to the GPU before the lock does: other
+    suites' cases need it, and a timed case squeezed for memory measures the allocator's retries (a
+    64k layer forward: 1.2x dense instead of 2.3x while five other suite processes kept 65 GiB cached)."""
     path = _gpu_lock(item)
     if not path:
-        yield
+        yield None
         return
     from nsa_validate.suite import gpu_share
     while _STARTUP:
         gpu_share.release(_STARTUP.pop())
-    with gpu_share.hold(path, exclusive=exclusive, what=item.nodeid + (f" ({phase})" if phase else "")):
-        yield
+    with gpu_share.hold(path, exclusive=exclusive, what=item.nodeid + (f" ({phase})" if phase else "")) as h:
+        yield h
         if release_memory:
             import torch
             if torch.cuda.is_available():
@@ -254,12 +255,47 @@ def pytest_runtest_call(item):
     if not _exclusive(item):
         yield
         return
-    warming = context.current().warming
-    if warming and not _skipped(item) and not item.get_closest_marker("nsa_exclusive").kwargs.get("beside_warming"):
-        from nsa_validate.suite import gpu_share
+    from nsa_validate.suite import gpu_share
+    warming = None if _skipped(item) else context.current().warming
+    if warming and not item.get_closest_marker("nsa_exclusive").kwargs.get("beside_warming"):
         gpu_share.wait_warming(warming)       # holding nothing: the parity cases go on meanwhile
-    with _hold(item, exclusive=True):
-        yield
+        warming = None
+    with _hold(item, exclusive=True) as h:
+        # the warming this case may time beside (``quiet``): none where it had ended when the GPU was taken
+        _QUIET[item.nodeid] = (h, warming if warming and gpu_share.warming_running(warming) else None)
+        try:
+            yield
+        finally:
+            _QUIET.pop(item.nodeid, None)
+
+
+_QUIET: dict[str, tuple] = {}           # the running exclusive case: its GPU hold, the warming it may wait for
+
+
+@pytest.fixture
+def quiet(request):
+    """For a case marked ``nsa_exclusive(beside_warming=True)`` whose first timings are GPU-bound (hundreds
+    of ms of GPU work a call for a few ms of host work: a compiling CPU cannot slow them) and whose later
+    ones are not: ``quiet()`` before those (``wait_quiet``)."""
+    return lambda: wait_quiet(request.node.nodeid)
+
+
+def wait_quiet(nodeid: str) -> bool:
+    """Wait for the run's warming processes to end, the running exclusive case's GPU let go meanwhile
+    (the parity cases use it), then take the GPU alone again; at once where none is running. Returns
+    whether the warming ran at any time since the case took the GPU: its timings so far were made beside
+    it. A stretch held before a wait is logged as the case's "(before the quiet CPU)"."""
+    from nsa_validate.suite import gpu_share
+    h, warming = _QUIET.get(nodeid, (None, None))
+    if not warming:
+        return False
+    if gpu_share.warming_running(warming):
+        if h is None:
+            gpu_share.wait_warming(warming)
+        else:
+            h.let_go_while(lambda: gpu_share.wait_warming(warming), f"{nodeid} (before the quiet CPU)")
+    _QUIET[nodeid] = (h, None)
+    return True
 
 
 @pytest.hookimpl(hookwrapper=True)

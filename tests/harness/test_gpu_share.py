@@ -157,3 +157,77 @@ def test_a_timed_case_waits_for_the_warming_processes_to_end(tmp_path):
     gpu_share.wait_warming(path)                      # none left
     gpu_share.wait_warming(str(tmp_path / "gone" / "alive"))
     assert time.monotonic() - t0 < 0.5
+
+
+def test_a_case_lets_go_of_the_gpu_while_it_waits_for_a_quiet_cpu(tmp_path):
+    """``plugin.wait_quiet`` (the ``quiet`` fixture): a timed case holding the GPU alone while the warming runs
+    lets go of it until the warming ends (a parity case gets in meanwhile), then holds it alone again; the
+    stretch before is logged apart. Once the warming is over, or where there was none, it returns at once."""
+    import subprocess
+    import sys
+
+    from nsa_validate.suite import plugin
+    lock, alive, events = str(tmp_path / "gpu0.lock"), str(tmp_path / "alive"), []
+    fd = gpu_share.warming_lock(alive)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], pass_fds=(fd,))
+    os.close(fd)
+    assert gpu_share.warming_running(alive)
+
+    def parity():
+        time.sleep(0.2)
+        with gpu_share.hold(lock, False, "b::parity"):
+            events.append(("parity in", time.monotonic()))
+    with gpu_share.hold(lock, True, "a::bench") as h:
+        plugin._QUIET["a::bench"] = (h, alive)
+        t = threading.Thread(target=parity)
+        t.start()
+        t0 = time.monotonic()
+        assert plugin.wait_quiet("a::bench") is True
+        waited = time.monotonic() - t0
+        events.append(("bench again", time.monotonic()))
+        t.join(10)
+        assert plugin.wait_quiet("a::bench") is False, "waited twice"
+        plugin._QUIET.pop("a::bench")
+    proc.wait(timeout=10)
+    assert waited > 0.9, "the wait ended while the warming process lived"
+    at = dict(events)
+    assert at["parity in"] < at["bench again"], "the GPU was not let go while the case waited"
+    held = [json.loads(x) for x in open(f"{lock}.log")]
+    assert [h["what"] for h in held] == ["a::bench (before the quiet CPU)", "b::parity", "a::bench"], held
+    assert gpu_share.overlaps(f"{lock}.log") == []
+    assert not gpu_share.warming_running(alive) and not gpu_share.warming_running(str(tmp_path / "none"))
+    with gpu_share.hold(lock, True, "d::bench") as h:   # the GPU taken while the warming ran; it ended since
+        plugin._QUIET["d::bench"] = (h, alive)
+        t0 = time.monotonic()
+        assert plugin.wait_quiet("d::bench") is True, "timings made beside the warming not said so"
+        assert time.monotonic() - t0 < 0.5 and h.fd is not None
+        plugin._QUIET["c::bench"] = (None, None)        # no warming when it took the GPU: at once, the GPU kept
+        assert plugin.wait_quiet("c::bench") is False
+    for k in ("c::bench", "d::bench"):
+        plugin._QUIET.pop(k)
+    assert [json.loads(x)["what"] for x in open(f"{lock}.log")][3:] == ["d::bench"]
+
+
+def test_the_layer_bench_times_its_dense_layers_before_the_quiet_and_the_nsa_layer_after(monkeypatch):
+    """``layer.measure(quiet=...)``: the dense layers (GPU-bound) are timed first, beside whatever the CPU
+    does; the NSA layer, whose host time is a figure of the row, only after ``quiet`` returned; the row
+    says whether the dense layers were timed beside the compiles."""
+    from nsa_core.routing import RoutingPolicy
+    from nsa_validate.bench import layer
+    order, state = [], {"quiet": False}
+
+    def fake_time(fn, device, budget_ms, warmed=False):
+        order.append(state["quiet"])
+        return layer.Measured(ms=1.0, p20_ms=1.0, p80_ms=1.0, host_ms=0.1, timer="cpu")
+
+    def quiet():
+        state["quiet"] = True
+        return True
+    monkeypatch.setattr(layer, "_time", fake_time)
+    shape = layer.Shape(1, 64, 32, 1, 2, 16, 16, dtype="fp32", blocks="tiny")
+    row = layer.measure(shape, RoutingPolicy(), "cpu", stages=False, quiet=quiet)
+    n_dense = 2 * len(row.dense)
+    assert n_dense >= 2 and order == [False] * n_dense + [True, True], order
+    assert row.dense_beside_compiles and layer.Row.from_dict(row.to_dict()).dense_beside_compiles
+    from nsa_validate.report import layer_table
+    assert layer_table.records([row])[0]["dense_beside_compiles"] is True
