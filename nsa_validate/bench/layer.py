@@ -360,9 +360,9 @@ def measure(shape: Shape, policy: RoutingPolicy, device: str, *, budget_ms: floa
     GPU's kernels; ``Row.log`` keeps it.
     ``quiet``: called between the dense layers' timings and the NSA layer's, it waits for a busy CPU to
     quieten (a run's compiles); True where the CPU was busy during the dense layers' timings
-    (``Row.dense_beside_compiles``). The dense layers go first:
-    hundreds of ms of GPU work a call for a few ms of Python, their timings do not move with the CPU's
-    load; the NSA layer's host time is a figure of the row, and a busy CPU would inflate it."""
+    (``Row.dense_beside_compiles``). The dense layers go first: GPU-bound (at 64k 120-730 ms of GPU work a
+    call for a few ms of Python), their timings do not move with the CPU's load; the NSA layer's host time
+    is a figure of the row, and a busy CPU would inflate it."""
     m, x = build(shape, policy, device)
     dout = torch.randn_like(x)
     on_gpu = device == "cuda"

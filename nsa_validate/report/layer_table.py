@@ -143,8 +143,8 @@ def finish(rows: list[Row], extra, device: str, meta: dict | None = None) -> pd.
     beside = [r.shape.label for r in rows if r.dense_beside_compiles]
     if beside:
         extra.note(f"dense layers timed while the run's warming processes compiled on the CPU ({', '.join(beside)}; "
-                   "dense_beside_compiles in layer.csv): their timings are the GPU's (hundreds of ms of GPU work a "
-                   "call), their host ms read high; the NSA layer was timed after the compiles ended.")
+                   "dense_beside_compiles in layer.csv): their timings are GPU-bound, their host ms read high; the NSA "
+                   "layer was timed after the compiles ended.")
     extra.set("summary", headline(rows))
     return df
 

@@ -215,7 +215,8 @@ def _execute(req: RunRequest, named: profiles.Profile | None, root: Path, listen
             manifest["gpu_alone_s"] = held
             manifest["phases_s"]["alone"] = round(sum(held.values()), 2)
         if warming is not None and warming.last_end is not None:
-            # alone on the GPU while the warming processes compiled (cases that time nothing: ``gpu_share``)
+            # alone on the GPU while the warming processes compiled (cases that time nothing, or GPU-bound work
+            # only: ``gpu_share``)
             manifest["prewarm"]["alone_beside_s"] = gpu_share.alone(run_dir, until=warming.last_end)
     for name in names:
         if name not in results and status != "env-broken":

@@ -280,7 +280,7 @@ def _serve(work: str, locks: str, logs: str) -> None:
     ``launches.compile_only``); were it started, this process warms alone."""
     import importlib
     # below the suites' CPU priority (the forked ones inherit it): the suites' cases, and a case holding the
-    # GPU alone while these still compile (one that times nothing: ``gpu_share``), come first
+    # GPU alone while these still compile (one that times nothing or GPU-bound work only: ``gpu_share``), come first
     with contextlib.suppress(OSError):
         os.nice(NICE)
     # torch.cuda.is_available() asks NVML rather than CUDA, should an import call it (CUDA's start before a fork)

@@ -20,8 +20,8 @@ while it waits for the GPU, and a parity case passes it only when no timed case 
 timed cases then run as soon as their setups are done, while the run's warming processes compile
 on the CPU (``prewarm``: at a lower CPU priority) and the parity cases wait. That only for a case that
 times nothing (``nsa_exclusive(beside_warming=True)``: a check that needs most of the GPU's memory), or
-whose first timings are GPU-bound and that waits for the warming itself before the rest (``hold.
-let_go_while``: the layer bench's dense layers, then the NSA layer); a case that times anything else
+whose first timings are GPU-bound and that waits for the warming itself before the rest
+(``hold.let_go_while``: the layer bench's dense layers, then the NSA layer); a case that times anything else
 first waits, holding nothing, for the warming to end (``wait_warming``): host times taken beside fifteen
 compiling processes read high (H200: the decode loop's host cost a call 38.0 µs beside them against 20.4
 in the warm run that followed).
@@ -96,8 +96,8 @@ class hold:
         if self.fd is None:                 # interrupted while waiting to take it again: nothing held
             return
         t1 = time.monotonic()
-        release(self.fd)
-        self.fd = None
+        fd, self.fd = self.fd, None         # forgotten first: an interrupt here never closes it twice
+        release(fd)
         with open(f"{self.path}.log", "a") as f:     # one short line per write: appends do not interleave
             f.write(json.dumps({"pid": os.getpid(), "exclusive": self.exclusive, "t0": self.t0, "t1": t1,
                                 "what": what}) + "\n")
@@ -148,16 +148,22 @@ def wait_warming(path: str) -> None:
         os.close(fd)
 
 
-def warming_running(path: str) -> bool:
-    """Whether a warming process of the run still lives (holds its lock), without waiting."""
+def warming_running(path: str, tries: int = 3) -> bool:
+    """Whether a warming process of the run still lives (holds its lock), without waiting for it: the
+    lock is found held ``tries`` times, 10 ms apart (a case past ``wait_warming`` holds it for an instant
+    as the warming ends, which one look would take for the warming)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
+        for i in range(tries):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                if i + 1 < tries:
+                    time.sleep(0.01)
         return True
     finally:
         os.close(fd)

@@ -244,9 +244,11 @@ def compiled(entry: dict):
 
 
 def compile_only() -> None:
-    """For a process that compiles launches and runs none (a warming process): Triton's warm-up still asks
-    torch for the current stream, which starts a CUDA context; the stream is never used, so 0 instead.
-    Contexts are made one at a time by the driver, and the suites' processes make theirs meanwhile."""
+    """For a process that compiles launches and runs none (a warming process), torch imported first (Triton's
+    driver then asks torch for the device; without torch, Triton 3.8's own asks CUDA, with a context): Triton's
+    warm-up still asks torch for the current stream, which starts a CUDA context; the stream is never used,
+    so 0 instead. Contexts are made one at a time by the driver, and the suites' processes make theirs
+    meanwhile."""
     with contextlib.suppress(Exception):       # a Triton without the attribute: its own stream, as before
         from triton.runtime import driver
         driver.active.get_current_stream = lambda *device: 0

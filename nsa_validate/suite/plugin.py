@@ -274,17 +274,18 @@ _QUIET: dict[str, tuple] = {}           # the running exclusive case: its GPU ho
 
 @pytest.fixture
 def quiet(request):
-    """For a case marked ``nsa_exclusive(beside_warming=True)`` whose first timings are GPU-bound (hundreds
-    of ms of GPU work a call for a few ms of host work: a compiling CPU cannot slow them) and whose later
-    ones are not: ``quiet()`` before those (``wait_quiet``)."""
+    """For a case marked ``nsa_exclusive(beside_warming=True)`` whose first timings are GPU-bound (many times
+    more GPU work a call than host work: a compiling CPU does not slow them) and whose later ones are not:
+    ``quiet()`` before those (``wait_quiet``)."""
     return lambda: wait_quiet(request.node.nodeid)
 
 
 def wait_quiet(nodeid: str) -> bool:
     """Wait for the run's warming processes to end, the running exclusive case's GPU let go meanwhile
     (the parity cases use it), then take the GPU alone again; at once where none is running. Returns
-    whether the warming ran at any time since the case took the GPU: its timings so far were made beside
-    it. A stretch held before a wait is logged as the case's "(before the quiet CPU)"."""
+    whether the warming was running when the case took the GPU (its timings until this first call were
+    made beside it); False on later calls. A stretch held before a wait is logged as the case's "(before
+    the quiet CPU)"."""
     from nsa_validate.suite import gpu_share
     h, warming = _QUIET.get(nodeid, (None, None))
     if not warming:

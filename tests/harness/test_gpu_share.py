@@ -231,3 +231,15 @@ def test_the_layer_bench_times_its_dense_layers_before_the_quiet_and_the_nsa_lay
     assert row.dense_beside_compiles and layer.Row.from_dict(row.to_dict()).dense_beside_compiles
     from nsa_validate.report import layer_table
     assert layer_table.records([row])[0]["dense_beside_compiles"] is True
+
+
+def test_a_case_past_the_warming_wait_is_not_taken_for_the_warming(tmp_path):
+    """``warming_running``: a case that ``wait_warming`` let through holds the lock for an instant, exclusive; a
+    look at that instant must not read it as the warming still running (the warming holds it shared, for seconds)."""
+    import fcntl
+    path = str(tmp_path / "alive")
+    open(path, "w").close()
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    threading.Timer(0.004, os.close, [fd]).start()
+    assert not gpu_share.warming_running(path)

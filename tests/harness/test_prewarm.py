@@ -387,7 +387,7 @@ def test_a_recorded_launch_warmed_elsewhere_is_a_cache_hit(tmp_path):
                    check=True, cwd=REPO_ROOT)
     (entry,) = launches.read(listed)
     assert entry["fn"] == "kernels.decode_layer:_copy_in_kernel" and entry["kwargs"] == {"BLOCK": 1024}
-    warm = ("import ctypes, json\nfrom nsa_validate.suite import launches\nlaunches.compile_only()\n"
+    warm = ("import ctypes, json, torch\nfrom nsa_validate.suite import launches\nlaunches.compile_only()\n"
             f"launches.warm(json.loads({json.dumps(entry)!r}))\n"
             # no CUDA context: the kernel was not loaded (a warming process needs none)
             "cu = ctypes.CDLL('libcuda.so.1'); flags, active = ctypes.c_uint(), ctypes.c_int()\n"
