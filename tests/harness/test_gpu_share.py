@@ -138,16 +138,22 @@ def test_a_suite_in_several_processes_beside_others_takes_its_exclusive_cases_fi
     assert order(gpu_lock="lock", workers=1) == ["parity1", "bench", "parity2", "skipped", "needle"]
 
 
-def test_a_timed_case_waits_for_the_warming_processes_to_end(tmp_path):
-    """``wait_warming``: the lock ``warming_lock`` took is handed to a process (as ``prewarm`` hands it to its
-    first warming process, which forks the others) and held as long as it lives; the wait ends with it, at
-    once where there is none, and where the run has removed the warming's folder."""
+def _warming(path: str):
+    """A stand-in warming process: ``warming_lock``'s lock handed to a process that sleeps 1 s (as ``prewarm``
+    hands it to its first warming process, which forks the others); -> the process."""
     import subprocess
     import sys
-    path = str(tmp_path / "alive")
     fd = gpu_share.warming_lock(path)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], pass_fds=(fd,))
     os.close(fd)                                      # the process's now
+    return proc
+
+
+def test_a_timed_case_waits_for_the_warming_processes_to_end(tmp_path):
+    """``wait_warming``: the lock ``warming_lock`` took is held as long as the process it was handed to lives;
+    the wait ends with it, at once where there is none, and where the run has removed the warming's folder."""
+    path = str(tmp_path / "alive")
+    proc = _warming(path)
     t0 = time.monotonic()
     gpu_share.wait_warming(path)
     # the lock goes as the process exits, a moment before it can be reaped: its one second of sleep waited out
@@ -163,14 +169,9 @@ def test_a_case_lets_go_of_the_gpu_while_it_waits_for_a_quiet_cpu(tmp_path):
     """``plugin.wait_quiet`` (the ``quiet`` fixture): a timed case holding the GPU alone while the warming runs
     lets go of it until the warming ends (a parity case gets in meanwhile), then holds it alone again; the
     stretch before is logged apart. Once the warming is over, or where there was none, it returns at once."""
-    import subprocess
-    import sys
-
     from nsa_validate.suite import plugin
     lock, alive, events = str(tmp_path / "gpu0.lock"), str(tmp_path / "alive"), []
-    fd = gpu_share.warming_lock(alive)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"], pass_fds=(fd,))
-    os.close(fd)
+    proc = _warming(alive)
     assert gpu_share.warming_running(alive)
 
     def parity():
