@@ -76,6 +76,58 @@ def block_key(bits, j):
     return (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
 
 
+# -- the best k of keys held as sorted runs ------------------------------------------------------------
+# Triton's own ``tl.topk`` (a bitonic top-k: sort runs of k, then halve the keys by pairs of runs) written over
+# keys whose runs are already sorted, so that the steps that sort them are skipped. The steps are Triton's (its
+# ``standard.py``, MIT licence): the keys as a hypercube [2] * LOG_N, bit i of a key's index its axis
+# LOG_N − 1 − i, a compare-and-swap along one axis through ``xor_sum`` over it.
+@triton.jit
+def _hyper_bit(N_DIMS: tl.constexpr, I: tl.constexpr):
+    """Bit I of the index of each entry of a hypercube [2] * N_DIMS (0 or 1, shaped to broadcast)."""
+    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - I - 1) + [2] + [1] * I)
+
+
+@triton.jit
+def _hyper_swap(h, flip, N_DIMS: tl.constexpr, I: tl.constexpr):
+    """Compare-and-swap of integer keys h [2] * N_DIMS along bit I: each pair ascending where ``flip`` is 0."""
+    other = h ^ tl.xor_sum(h, N_DIMS - 1 - I, True)
+    return tl.where((h > other) != (flip ^ _hyper_bit(N_DIMS, I)), other, h)
+
+
+@triton.jit
+def _hyper_merge(h, N_DIMS: tl.constexpr, STAGE: tl.constexpr, ORDER: tl.constexpr):
+    """Bitonic merge of runs of 2^STAGE: ascending (ORDER 0), descending (1), or alternating by bit STAGE (2)."""
+    if ORDER == 2:
+        flip = _hyper_bit(N_DIMS, STAGE)
+    else:
+        flip = ORDER
+    for i in tl.static_range(STAGE):
+        h = _hyper_swap(h, flip, N_DIMS, STAGE - 1 - i)
+    return h
+
+
+@triton.constexpr_function
+def log2(n):
+    """log2 of a power of two, in a kernel's constexprs."""
+    return n.bit_length() - 1
+
+
+@triton.jit
+def topk_of_runs(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr, LOG_R: tl.constexpr):
+    """The 2^LOG_K largest of integer keys x [2^LOG_N], largest first, where x is held as runs of 2^LOG_R keys
+    each sorted, the even runs ascending and the odd ones descending (LOG_R <= LOG_K < LOG_N): ``tl.topk(x,
+    2^LOG_K)`` without its first LOG_R stages. Equal keys are interchangeable, so the result is tl.topk's."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for i in tl.static_range(LOG_R + 1, LOG_K + 1):        # the runs sorted on to runs of 2^LOG_K
+        h = _hyper_merge(h, LOG_N, i, 2)
+    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+        # pairs of runs (one ascending, one descending), along the axis of bit LOG_K of the LOG_N + LOG_K + 1 − i
+        # left: their larger halves, as one bitonic run each, merged
+        h = tl.max(h, axis=LOG_N - i)
+        h = _hyper_merge(h, LOG_N + LOG_K - i, LOG_K, 2 if i < LOG_N else 1)
+    return tl.reshape(h, [2 ** LOG_K])
+
+
 @triton.jit
 def load_dk(rows, ok, DK: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr):
     """Rows [R] of pointers, each to a d_k vector, loaded as two power-of-two parts: ([R, BDA],

@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, precision, sm_count
+from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, log2, precision, sm_count, topk_of_runs
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (docs/decisions.md): partial programs of
@@ -645,18 +645,27 @@ def _candidates(score, j, cur, BJ: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def _topn_load(CAND, bg, j0, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
-    """The best KP, best first, of keys j0..j0+CH−1 of CAND's row bg (those from n_keys on: none)."""
+def _topn_load(CAND, bg, j0, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+               BJ: tl.constexpr):
+    """The best KP, best first, of keys j0..j0+CH−1 of CAND's row bg (those from n_keys on: none). A group's KC
+    keys are its best, stored best first, where it kept fewer than its BJ (``_candidates``): where KC is KP they
+    are the runs a top-KP sorts first, so the even ones are loaded reversed (ascending) and the ranking starts
+    from the runs (``topk_of_runs``: on the H200 the step 0.5 µs faster at B=1 and 2, docs/decisions.md)."""
     r = j0 + tl.arange(0, CH)
+    if KC < BJ and KC == KP and KP < CH:
+        r = tl.where((r // KC) % 2 == 0, r + (KC - 1) - 2 * (r % KC), r)      # a run reversed stays in its group
+        key = tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1)
+        return topk_of_runs(key, log2(CH), log2(KP), log2(KC))
     return tl.topk(tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1), KP)
 
 
 @triton.jit
-def _topn_chunks(CAND, bg, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr):
+def _topn_chunks(CAND, bg, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+                 BJ: tl.constexpr):
     """The best KP of keys 0..n_keys−1 of CAND's row bg, CH at a time."""
     top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
     for j0 in tl.range(0, n_keys, CH):
-        key = _topn_load(CAND, bg, j0, n_keys, NK, CH, KP)
+        key = _topn_load(CAND, bg, j0, n_keys, NK, CH, KP, KC, BJ)
         if j0 == 0:
             top = key
         else:
@@ -670,10 +679,10 @@ def _topn_blocks(CAND, bg, t, BLOCK: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.
     """Top-n blocks of (row · KV head) bg for the token at t: forced block 0 and the two local blocks, then the
     highest scores among the other causal blocks, ties to the lower index. It ranks the keys the scorer kept
     (``_candidates``: KC of each group of BJ blocks, CAND [B·G, NK]) of the groups up to the new token's block, CH
-    keys at a time, a bitonic top-KP (``tl.topk``) of each chunk kept with the best so far by a top-KP of the
-    2·KP: a cache with room to grow ranks only the groups its tokens reach. The picks and the forced blocks (the
-    distinct ones) are then sorted ascending, a sort of 2·KP -> (blocks [2·KP] int32, ascending, 2^31 − 1 past
-    the n_take taken; n_take)."""
+    keys at a time, a bitonic top-KP of each chunk (from the groups' sorted runs: ``_topn_load``) kept with the
+    best so far by a top-KP of the 2·KP: a cache with room to grow ranks only the groups its tokens reach. The
+    picks and the forced blocks (the distinct ones) are then sorted ascending, a sort of 2·KP -> (blocks [2·KP]
+    int32, ascending, 2^31 − 1 past the n_take taken; n_take)."""
     cur = t // BLOCK
     KP: tl.constexpr = NSP if NSP < CH else CH          # CH < NSP only where it is all the keys
     n_keys = (cur // BJ + 1) * KC
@@ -681,11 +690,11 @@ def _topn_blocks(CAND, bg, t, BLOCK: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.
         # a cache with room to grow: while the keys fit in half a chunk, a top-k of half the size (the chunk is
         # the capacity's where it holds fewer than TOPN_CHUNK keys)
         if n_keys <= CH // 2:
-            top = _topn_load(CAND, bg, 0, n_keys, NK, CH // 2, KP)
+            top = _topn_load(CAND, bg, 0, n_keys, NK, CH // 2, KP, KC, BJ)
         else:
-            top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP)
+            top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP, KC, BJ)
     else:
-        top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP)
+        top = _topn_chunks(CAND, bg, n_keys, NK, CH, KP, KC, BJ)
     n_take = tl.minimum(cur + 1, N_SEL)
     BIG: tl.constexpr = 2147483647
     n_forced = 1 + (cur >= 1).to(tl.int32) + (cur >= 2).to(tl.int32)

@@ -4,6 +4,10 @@ equal the formula of docs/nsa.md, at positions around every boundary (t < l, t <
 more causal blocks than n). Runs under the interpreter without a GPU."""
 import pytest
 import torch
+import triton
+import triton.language as tl
+
+from kernels.common import topk_of_runs
 
 from nsa_core import DecodeCache, NSAAttention, reference, routing, tiny
 from nsa_core.config import BRANCHES
@@ -383,12 +387,15 @@ def _top_n_at(s, positions, cfg, keep_all=False):
 
 
 # chunks of 4 keys only for caches of more than 4 blocks: ``top_n`` ranks at least 4 keys a chunk, so a cache of 4
-# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions). With chunks of 4 the
+# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions). With chunks of 4 or 8 the
 # scorer's groups are of 16 blocks (``SCORE_BLOCKS``): several groups a row, each keeping its best n (n < 16) or
-# all its keys (n = 16)
+# all its keys (n = 16). Where a group keeps its best n, n a power of two below the chunk, the top-n ranks from
+# the groups' sorted runs (``topk_of_runs``): 128 blocks with n = 16 (one chunk of two runs), and chunks of 16
+# with n = 8 (chunks of two runs, several chunks)
 TOP_N_CASES = [pytest.param(nb, n_sel, chunk, id=f"{name}-{nb}-blocks-n{n_sel}")
                for chunk, name in ((1 << 20, "one-chunk"), (4, "chunks-of-4-groups-of-16"))
                for nb, n_sel in ((64, 5), (128, 16), (8, 4), (4, 16), (2, 4)) if chunk != 4 or nb > 4]
+TOP_N_CASES.append(pytest.param(128, 8, 16, id="chunks-of-16-groups-of-16-128-blocks-n8"))
 
 
 @pytest.mark.parametrize("keep_all", [False, True], ids=["best-n-a-group", "all-keys"])
@@ -406,7 +413,7 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
     index; on a GPU the kernel's own rule is what this checks.)"""
     from kernels import decode
     monkeypatch.setattr(decode, "TOPN_CHUNK", chunk)
-    if chunk == 4:
+    if chunk < 1 << 20:
         monkeypatch.setattr(decode, "SCORE_BLOCKS", 16)
     cfg = tiny(block_size=16, n_selected=n_sel)
     NB = nb
@@ -418,6 +425,35 @@ def test_top_n_takes_the_oracle_blocks_under_exact_ties(scores, chunk, monkeypat
     ref = reference.select_blocks(s.expand(1, len(positions), *s.shape), torch.tensor(list(positions)), cfg)[0]
     for t, g, r in zip(positions, got, ref):
         assert torch.equal(g, r), (t, g.tolist(), r.tolist())
+
+
+@triton.jit
+def _topk_pair(X, OURS, TRITONS, LOG_N: tl.constexpr, LOG_K: tl.constexpr, LOG_R: tl.constexpr):
+    x = tl.load(X + tl.arange(0, 2 ** LOG_N))
+    tl.store(OURS + tl.arange(0, 2 ** LOG_K), topk_of_runs(x, LOG_N, LOG_K, LOG_R))
+    tl.store(TRITONS + tl.arange(0, 2 ** LOG_K), tl.topk(x, 2 ** LOG_K))
+
+
+@pytest.mark.parametrize("keys", ["distinct", "repeated"])
+@pytest.mark.parametrize("log_n,log_k,log_r", [(8, 4, 4), (8, 4, 1), (8, 4, 0), (5, 4, 4), (10, 2, 2)],
+                         ids=lambda v: str(v))
+def test_top_k_of_sorted_runs_is_tritons_top_k(log_n, log_k, log_r, keys):
+    """``topk_of_runs`` on int64 keys held as sorted runs (even ones ascending, odd descending) gives what
+    ``tl.topk`` gives on the same keys, and the k largest: with distinct keys, and with runs of repeats and of the
+    least int64 (the padding of the groups past the new token's)."""
+    torch.manual_seed(log_n * 100 + log_r)
+    n, r = 2 ** log_n, 2 ** log_r
+    x = torch.randint(-2 ** 62, 2 ** 62, (n,), dtype=torch.int64)
+    if keys == "repeated":
+        x[::3] = 7
+        x[n // 2:] = -2 ** 63
+    runs = x.view(n // r, r).sort(dim=1, descending=True).values
+    runs[0::2] = runs[0::2].flip(1)
+    x = runs.reshape(-1).to(DEV)
+    ours, tritons = (torch.empty(2 ** log_k, dtype=torch.int64, device=DEV) for _ in range(2))
+    _topk_pair[(1,)](x, ours, tritons, log_n, log_k, log_r)
+    assert torch.equal(ours, tritons)
+    assert torch.equal(ours.cpu(), x.cpu().sort(descending=True).values[:2 ** log_k])
 
 
 @pytest.mark.parametrize("nb,n_sel", [(64, 16), (8, 4)], ids=["64-blocks-n16", "8-blocks-n4"])
