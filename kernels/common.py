@@ -1,7 +1,7 @@
 """What every Triton kernel of the package shares: the log2(e) constant of the exp2-based softmax,
-padded tile sizes, the ``tl.dot`` precision per input dtype, tensor descriptors (TMA tile loads)
-where the hardware has them, and launching with the first settings the GPU at hand can load
-(``launch_fitting``)."""
+padded tile sizes, the ``tl.dot`` precision per input dtype, the top-n's keys and a top-k over keys
+held as sorted runs, tensor descriptors (TMA tile loads) where the hardware has them, and launching
+with the first settings the GPU at hand can load (``launch_fitting``)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -107,8 +107,8 @@ def _hyper_merge(h, N_DIMS: tl.constexpr, STAGE: tl.constexpr, ORDER: tl.constex
 
 
 @triton.constexpr_function
-def log2(n):
-    """log2 of a power of two, in a kernel's constexprs."""
+def ilog2(n):
+    """log2 of a power of two, as a kernel's constexpr."""
     return n.bit_length() - 1
 
 

@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, log2, precision, sm_count, topk_of_runs
+from kernels.common import LOG2E, block_key, head_dim_parts, load_dk, ilog2, precision, sm_count, topk_of_runs
 from nsa_core import dispatch
 from nsa_core.config import BRANCHES, NSAConfig
 # launch configuration, from sweeps of the graph-replayed step on an H100 (docs/decisions.md): partial programs of
@@ -650,12 +650,12 @@ def _topn_load(CAND, bg, j0, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.
     """The best KP, best first, of keys j0..j0+CH−1 of CAND's row bg (those from n_keys on: none). A group's KC
     keys are its best, stored best first, where it kept fewer than its BJ (``_candidates``): where KC is KP they
     are the runs a top-KP sorts first, so the even ones are loaded reversed (ascending) and the ranking starts
-    from the runs (``topk_of_runs``: on the H200 the step 0.5 µs faster at B=1 and 2, docs/decisions.md)."""
+    from the runs (``topk_of_runs``; docs/decisions.md, session 83)."""
     r = j0 + tl.arange(0, CH)
     if KC < BJ and KC == KP and KP < CH:
         r = tl.where((r // KC) % 2 == 0, r + (KC - 1) - 2 * (r % KC), r)      # a run reversed stays in its group
         key = tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1)
-        return topk_of_runs(key, log2(CH), log2(KP), log2(KC))
+        return topk_of_runs(key, ilog2(CH), ilog2(KP), ilog2(KC))
     return tl.topk(tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1), KP)
 
 
