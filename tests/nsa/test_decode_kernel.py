@@ -387,7 +387,7 @@ def _top_n_at(s, positions, cfg, keep_all=False):
 
 
 # chunks of 4 keys only for caches of more than 4 blocks: ``top_n`` ranks at least 4 keys a chunk, so a cache of 4
-# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions). With chunks of 4 or 8 the
+# blocks or fewer is one chunk of 4 either way (the same launch, at the same positions). With chunks of 4 or 16 the
 # scorer's groups are of 16 blocks (``SCORE_BLOCKS``): several groups a row, each keeping its best n (n < 16) or
 # all its keys (n = 16). Where a group keeps its best n, n a power of two below the chunk, the top-n ranks from
 # the groups' sorted runs (``topk_of_runs``): 128 blocks with n = 16 (one chunk of two runs), and chunks of 16
