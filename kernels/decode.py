@@ -651,12 +651,14 @@ def _topn_load(CAND, bg, j0, n_keys, NK: tl.constexpr, CH: tl.constexpr, KP: tl.
     keys are its best, stored best first, where it kept fewer than its BJ (``_candidates``): where KC is KP they
     are the runs a top-KP sorts first, so the even ones are loaded reversed (ascending) and the ranking starts
     from the runs (``topk_of_runs``; docs/decisions.md, session 83)."""
+    RUNS: tl.constexpr = KC < BJ and KC == KP and KP < CH
     r = j0 + tl.arange(0, CH)
-    if KC < BJ and KC == KP and KP < CH:
+    if RUNS:
         r = tl.where((r // KC) % 2 == 0, r + (KC - 1) - 2 * (r % KC), r)      # a run reversed stays in its group
-        key = tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1)
+    key = tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1)
+    if RUNS:
         return topk_of_runs(key, ilog2(CH), ilog2(KP), ilog2(KC))
-    return tl.topk(tl.load(CAND + bg * NK + r, mask=r < n_keys, other=-9223372036854775807 - 1), KP)
+    return tl.topk(key, KP)
 
 
 @triton.jit
