@@ -158,12 +158,11 @@ def warming_running(path: str, tries: int = 3) -> bool:
         return False
     try:
         for i in range(tries):
-            try:
+            if i:
+                time.sleep(0.01)
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return False
-            except BlockingIOError:
-                if i + 1 < tries:
-                    time.sleep(0.01)
         return True
     finally:
         os.close(fd)
